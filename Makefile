@@ -1,0 +1,42 @@
+# flexoffload: `make run` and `make test` set everything up on a fresh machine first.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+CACHE  := $(or $(FLEXOFFLOAD_CACHE),$(HOME)/.cache/flexoffload)
+PROMPT ?= def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n
+MEM    ?= 0.5x
+
+.PHONY: setup native models run test test-fast bench clean
+
+setup: $(VENV)/.installed native
+
+$(VENV)/bin/python:
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+
+# the native build also leaves the Python-only llama-cpp-python wheel in the cache
+native: $(VENV)/bin/python
+	PYTHON=$(PY) scripts/build_native
+
+$(VENV)/.installed: pyproject.toml | native
+	$(PY) -m pip install --quiet $(CACHE)/wheels/llama_cpp_python-0.3.36-*.whl
+	$(PY) -m pip install --quiet -e '.[test]'
+	touch $@
+
+models: setup
+	$(VENV)/bin/flexoffload models fetch
+
+run: models
+	$(VENV)/bin/flexoffload run --mem $(MEM) --enforce -n 96 --temp 0 -p "$$(printf '$(PROMPT)')"
+
+test: models
+	$(PY) -m pytest -q
+
+test-fast: setup
+	$(PY) -m pytest -q -m "not integration"
+
+bench: models
+	$(VENV)/bin/flexoffload bench --mem 0.3x,0.5x,0.7x,1.0x --strategies mmap -r 3 -n 32 -o results/mmap_qwen1.5b.csv
+
+clean:
+	rm -rf $(VENV) build vendor *.egg-info

@@ -1,0 +1,212 @@
+"""Memory budgets: parsing `--mem`, and enforcing a budget with a child memory cgroup.
+
+A budget is the whole process: weights kept in memory, page cache it causes, KV cache, compute buffers
+and the runtime's own overhead. `MemoryCgroup` makes a child of the caller's own memory cgroup (v2
+memory.max or v1 memory.limit_in_bytes; page cache is charged there too), so the kernel holds a run to
+its budget and reports the peak.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import re
+import subprocess
+import time
+from pathlib import Path
+
+from . import FlexoffloadError
+
+MiB = 1 << 20
+_UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([KMGT]?)(I?B)?\s*$", re.IGNORECASE)
+_FRACTION = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*x\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str, model_size: int | None = None) -> int:
+    """Bytes from '400M', '1.5G', '512MiB', '1073741824', or '0.4x' (a fraction of model_size).
+
+    Units are binary (M = MiB), as llama.cpp and the kernel count them.
+    """
+    m = _FRACTION.match(text)
+    if m:
+        if model_size is None:
+            raise FlexoffloadError(f"budget {text!r} is relative to a model's size, but there is no model")
+        value = float(m.group(1)) * model_size
+    else:
+        m = _SIZE.match(text)
+        if not m:
+            raise FlexoffloadError(f"cannot read memory size {text!r}: use e.g. 400M, 1.5G or 0.4x")
+        value = float(m.group(1)) * _UNITS[m.group(2).upper()]
+    if value <= 0:
+        raise FlexoffloadError(f"memory size must be positive: {text!r}")
+    return int(value)
+
+
+def format_size(n: int) -> str:
+    if n >= 1 << 30:
+        return f"{n / (1 << 30):.2f} GiB"
+    return f"{n / MiB:.0f} MiB"
+
+
+# The process without model, KV cache or compute buffers: Python, the bindings, libllama and libggml,
+# their page cache included. Measured here as the cold cgroup peak of `flexoffload run` on a 100 KB model
+# (41 MiB, 2026-11-22), with room for other Pythons and libcs; see
+# tests/test_budget.py::test_runtime_overhead_covers_a_real_run, which checks it stays an upper bound.
+RUNTIME_OVERHEAD = 64 * MiB
+
+
+def compute_buffer_bytes(model, n_ctx: int, n_batch: int) -> int:
+    """llama.cpp's CPU compute buffer for a ubatch of n_batch tokens with one output.
+
+    Fitted to what llama.cpp reserves (its log's "compute buffer size") for the qwen2 and llama graphs:
+    per token of the ubatch, the FFN's three n_ff-wide activations and about four n_embd-wide ones in
+    f32, plus the f16 attention mask over the context; plus one row of logits.
+    """
+    n_ctx = -(-n_ctx // 256) * 256  # llama.cpp pads the context to 256
+    return n_batch * (4 * (3 * model.n_ff + 4 * model.n_embd) + 2 * n_ctx) + 4 * model.n_vocab
+
+
+def minimum(model, n_ctx: int, n_batch: int) -> int:
+    """The smallest budget a run can work in with the mmap strategy.
+
+    Beside the runtime, KV cache and compute buffers, the page cache must hold at least one layer's
+    weights while the layer computes; below that every page faults in more than once per token.
+    """
+    largest_layer = max((model.layer_bytes(i) for i in range(model.n_layer)), default=0)
+    return RUNTIME_OVERHEAD + model.kv_cache_bytes(n_ctx) + compute_buffer_bytes(model, n_ctx, n_batch) + largest_layer
+
+
+def check(model, budget: int, n_ctx: int, n_batch: int) -> None:
+    """Refuse a budget below the minimum before anything is loaded, naming the minimum."""
+    need = minimum(model, n_ctx, n_batch)
+    if budget < need:
+        raise FlexoffloadError(
+            f"budget {format_size(budget)} is too small for {model.path.name} at -c {n_ctx} -b {n_batch}: "
+            f"the minimum is {format_size(need)}")
+
+
+def peak_rss() -> int:
+    """This process's peak resident set (VmHWM), in bytes: the peak when no cgroup measures it."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def drop_page_cache() -> bool:
+    """Sync and drop the page cache (needs root). False where not permitted."""
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def _own_memory_cgroup() -> tuple[str, Path] | None:
+    """(version, path) of the memory cgroup this process is in, where this process may make children."""
+    mounts = {}
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            left, _, right = line.partition(" - ")
+            fields, fstype = left.split(), right.split()
+            if fstype[0] == "cgroup2":
+                mounts.setdefault("v2", fields[4])
+            elif fstype[0] == "cgroup" and "memory" in fstype[-1].split(","):
+                mounts["v1"] = fields[4]
+    with open("/proc/self/cgroup") as f:
+        lines = [line.rstrip("\n").split(":", 2) for line in f]
+    for _, controllers, rel in lines:
+        if "memory" in controllers.split(",") and "v1" in mounts:
+            path = Path(mounts["v1"] + rel)
+            if (path / "memory.limit_in_bytes").exists():
+                return "v1", path
+    for hid, controllers, rel in lines:
+        if hid == "0" and controllers == "" and "v2" in mounts:
+            path = Path(mounts["v2"] + rel)
+            if "memory" in (path / "cgroup.controllers").read_text().split():
+                return "v2", path
+    return None
+
+
+class MemoryCgroup:
+    """A child memory cgroup with a hard limit. Use as a context manager; it is removed on exit.
+
+    `popen` starts a command inside it (moved in before exec, so every allocation is charged).
+    """
+
+    _counter = itertools.count()
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        found = _own_memory_cgroup()
+        if found is None:
+            raise FlexoffloadError("no memory cgroup can be made here")
+        self.version, parent = found
+        self.path = parent / f"flexoffload-{os.getpid()}-{next(self._counter)}"
+        try:
+            self.path.mkdir()
+            if self.version == "v2":
+                (parent / "cgroup.subtree_control").write_text("+memory")
+                (self.path / "memory.max").write_text(str(limit))
+                if (self.path / "memory.swap.max").exists():
+                    (self.path / "memory.swap.max").write_text("0")
+            else:
+                (self.path / "memory.limit_in_bytes").write_text(str(limit))
+        except OSError as e:
+            self._remove()
+            raise FlexoffloadError(f"cannot make a memory cgroup under {parent}: {e.strerror}") from None
+
+    def __enter__(self) -> "MemoryCgroup":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._remove()
+
+    def popen(self, cmd: list[str], **kwargs) -> subprocess.Popen:
+        procs = str(self.path / "cgroup.procs")
+
+        def enter():  # runs in the child between fork and exec
+            with open(procs, "w") as f:
+                f.write("0")
+
+        return subprocess.Popen(cmd, preexec_fn=enter, **kwargs)
+
+    def peak(self) -> int:
+        """The peak memory charged to the cgroup (page cache included), in bytes."""
+        name = "memory.peak" if self.version == "v2" else "memory.max_usage_in_bytes"
+        try:
+            return int((self.path / name).read_text())
+        except OSError:
+            return 0
+
+    def oom_killed(self) -> bool:
+        """Whether the kernel's OOM killer stopped a process of this cgroup (its `oom_kill` count)."""
+        name = "memory.events" if self.version == "v2" else "memory.oom_control"
+        try:
+            lines = (self.path / name).read_text().splitlines()
+        except OSError:
+            return False
+        return any(line.split()[:1] == ["oom_kill"] and int(line.split()[1]) > 0 for line in lines)
+
+    def _remove(self) -> None:
+        for _ in range(50):  # tasks can take a moment to leave after exit
+            try:
+                self.path.rmdir()
+                return
+            except FileNotFoundError:
+                return
+            except OSError:
+                time.sleep(0.1)
+
+
+def enforce_or_warn(limit: int, echo) -> MemoryCgroup | None:
+    """A cgroup for the budget, or None after saying in one line why the run goes unenforced."""
+    try:
+        return MemoryCgroup(limit)
+    except FlexoffloadError as e:
+        echo(f"flexoffload: {e}; running without an enforced budget")
+        return None

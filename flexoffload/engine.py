@@ -1,0 +1,217 @@
+"""Generation on the patched llama.cpp through the low-level llama-cpp-python API.
+
+One model and one context, a prompt decoded in batches, then one token at a time, sampled with
+llama.cpp's own samplers (greedy at temperature 0, as llama-completion does), text streamed as it
+comes, and the timings a benchmark needs.
+"""
+
+from __future__ import annotations
+
+import codecs
+import ctypes
+import os
+import time
+from dataclasses import asdict, dataclass, field
+
+from . import FlexoffloadError
+from .native import llama_cpp
+
+STRATEGIES = ("mmap",)
+
+
+@dataclass
+class Settings:
+    n_ctx: int = 2048
+    n_batch: int = 512
+    n_threads: int = os.cpu_count() or 1
+    temp: float = 0.8
+    seed: int = 0xFFFFFFFF  # llama.cpp's LLAMA_DEFAULT_SEED: a random seed
+    strategy: str = "mmap"
+    verbose: bool = False
+
+
+@dataclass
+class Result:
+    text: str
+    tokens: list[int]
+    n_prompt: int
+    n_gen: int
+    ttft_s: float  # from the start of prompt processing to the first generated token
+    prompt_tok_s: float
+    decode_tok_s: float  # single-token decodes after the first token, over the time they took
+    load_s: float
+    strategy: str
+    stop: str  # "eog", "limit" or "context"
+    timings: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class _Log:
+    """Routes llama.cpp's log: kept in memory (errors are reported from it), printed only if verbose."""
+
+    def __init__(self, lib, verbose: bool):
+        self.lines: list[str] = []
+        self.verbose = verbose
+
+        def callback(level, text, user_data):
+            line = text.decode("utf-8", "replace")
+            self.lines.append(line)
+            del self.lines[:-200]
+            if self.verbose:
+                os.write(2, text)
+
+        self._callback = lib.llama_log_callback(callback)  # kept alive as long as the log is set
+        lib.llama_log_set(self._callback, ctypes.c_void_p(0))
+
+    def last_error(self) -> str:
+        for line in reversed(self.lines):
+            if "error" in line.lower() or "failed" in line.lower():
+                return line.strip()
+        return self.lines[-1].strip() if self.lines else "no log"
+
+
+class Engine:
+    def __init__(self, model_path: str, settings: Settings):
+        if settings.strategy not in STRATEGIES:
+            raise FlexoffloadError(f"unknown strategy {settings.strategy!r}: one of {', '.join(STRATEGIES)}")
+        self.settings = settings
+        lib = self.lib = llama_cpp()
+        self.log = _Log(lib, settings.verbose)
+        t0 = time.perf_counter()
+
+        mparams = lib.llama_model_default_params()
+        mparams.load_mode = lib.LLAMA_LOAD_MODE_MMAP
+        mparams.use_extra_bufts = False  # upstream mmap behaviour without repacking (repacking doubles memory under mmap)
+        self.model = lib.llama_model_load_from_file(str(model_path).encode(), mparams)
+        if not self.model:
+            raise FlexoffloadError(f"llama.cpp could not load {model_path}: {self.log.last_error()}")
+
+        cparams = lib.llama_context_default_params()
+        cparams.n_ctx = settings.n_ctx
+        cparams.n_batch = settings.n_batch
+        cparams.n_ubatch = settings.n_batch
+        # generation reads only the last token's logits: reserving 1 output instead of n_batch shrinks the
+        # compute buffer by n_vocab * n_batch floats (300 MB for a 152k vocabulary at -b 512)
+        cparams.n_outputs_max = 1
+        cparams.n_threads = settings.n_threads
+        cparams.n_threads_batch = settings.n_threads
+        self.ctx = lib.llama_init_from_model(self.model, cparams)
+        if not self.ctx:
+            lib.llama_model_free(self.model)
+            raise FlexoffloadError(f"llama.cpp could not make a context (n_ctx={settings.n_ctx}): {self.log.last_error()}")
+        self.vocab = lib.llama_model_get_vocab(self.model)
+        self.n_ctx = lib.llama_n_ctx(self.ctx)  # llama.cpp pads the context to 256
+        self.n_batch = lib.llama_n_batch(self.ctx)  # and caps the batch by it
+        self.load_s = time.perf_counter() - t0
+
+    def close(self) -> None:
+        if getattr(self, "ctx", None):
+            self.lib.llama_free(self.ctx)
+            self.ctx = None
+        if getattr(self, "model", None):
+            self.lib.llama_model_free(self.model)
+            self.model = None
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def tokenize(self, text: str, add_special: bool = True) -> list[int]:
+        data = text.encode("utf-8")
+        n_max = len(data) + 8
+        buf = (self.lib.llama_token * n_max)()
+        n = self.lib.llama_tokenize(self.vocab, data, len(data), buf, n_max, add_special, True)
+        if n < 0:
+            raise FlexoffloadError("prompt could not be tokenized")
+        return list(buf[:n])
+
+    def piece(self, token: int) -> bytes:
+        buf = ctypes.create_string_buffer(256)
+        n = self.lib.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, False)
+        return buf.raw[:max(n, 0)]
+
+    def _sampler(self):
+        lib, s = self.lib, self.settings
+        chain = lib.llama_sampler_chain_init(lib.llama_sampler_chain_default_params())
+        if s.temp <= 0:
+            lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_greedy())
+        else:  # llama.cpp's default chain, without the samplers that are off by default
+            lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_top_k(40))
+            lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_top_p(0.95, 1))
+            lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_min_p(0.05, 1))
+            lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_temp(s.temp))
+            lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_dist(s.seed & 0xFFFFFFFF))
+        return chain
+
+    def _decode(self, tokens: list[int]) -> None:
+        arr = (self.lib.llama_token * len(tokens))(*tokens)
+        rc = self.lib.llama_decode(self.ctx, self.lib.llama_batch_get_one(arr, len(tokens)))
+        if rc != 0:
+            raise FlexoffloadError(f"llama_decode failed ({rc}): {self.log.last_error()}")
+
+    def generate(self, prompt: str, n_predict: int, on_text=None) -> Result:
+        """Greedy or sampled generation of up to n_predict tokens (-1: until end of text or context)."""
+        lib = self.lib
+        prompt_tokens = self.tokenize(prompt)
+        if not prompt_tokens:
+            raise FlexoffloadError("the prompt is empty")
+        if len(prompt_tokens) >= self.n_ctx:
+            raise FlexoffloadError(
+                f"the prompt is {len(prompt_tokens)} tokens, longer than the context of {self.n_ctx}: raise -c")
+        lib.llama_memory_clear(lib.llama_get_memory(self.ctx), True)
+        sampler = self._sampler()
+        utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+        text, tokens, stop = [], [], "limit"
+        try:
+            t_start = time.perf_counter()
+            for i in range(0, len(prompt_tokens), self.n_batch):
+                self._decode(prompt_tokens[i:i + self.n_batch])
+            n_past, n_decoded = len(prompt_tokens), 0
+            t_first = None
+            while n_predict < 0 or len(tokens) < n_predict:
+                token = lib.llama_sampler_sample(sampler, self.ctx, -1)
+                if t_first is None:
+                    t_first = time.perf_counter()
+                if lib.llama_vocab_is_eog(self.vocab, token):
+                    stop = "eog"
+                    break
+                tokens.append(token)
+                chunk = utf8.decode(self.piece(token))
+                text.append(chunk)
+                if on_text and chunk:
+                    on_text(chunk)
+                if n_past >= self.n_ctx:
+                    stop = "context"
+                    break
+                if n_predict >= 0 and len(tokens) >= n_predict:
+                    break
+                self._decode([token])
+                n_past += 1
+                n_decoded += 1
+            t_end = time.perf_counter()
+        finally:
+            lib.llama_sampler_free(sampler)
+        tail = utf8.decode(b"", final=True)
+        if tail:
+            text.append(tail)
+            if on_text:
+                on_text(tail)
+        t_first = t_first or t_end
+        n_gen = len(tokens)
+        decode_s = t_end - t_first
+        return Result(
+            text="".join(text),
+            tokens=tokens,
+            n_prompt=len(prompt_tokens),
+            n_gen=n_gen,
+            ttft_s=t_first - t_start,
+            prompt_tok_s=len(prompt_tokens) / max(t_first - t_start, 1e-9),
+            decode_tok_s=n_decoded / decode_s if n_decoded and decode_s > 0 else 0.0,
+            load_s=self.load_s,
+            strategy=self.settings.strategy,
+            stop=stop,
+        )

@@ -1,0 +1,151 @@
+"""The tensor table of a GGUF file: names, layers, kinds, types, sizes and absolute file offsets.
+
+Everything the planners and the budget need to know about a model, read without loading weights.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from . import FlexoffloadError
+
+GGUF_MAGIC = b"GGUF"
+
+# The kinds a tensor can be, in the order `info` lists them within a layer.
+KINDS = (
+    "token_embd", "attn_q", "attn_k", "attn_v", "attn_output",
+    "ffn_gate", "ffn_up", "ffn_down", "norm", "bias", "output", "other",
+)
+
+_LAYER = re.compile(r"^blk\.(\d+)\.(.+)$")
+
+
+@dataclass(frozen=True)
+class Tensor:
+    name: str
+    kind: str
+    layer: int | None  # None for tensors outside the repeating blocks (embeddings, output)
+    type: str  # ggml type name: Q4_K, F32, ...
+    shape: tuple[int, ...]
+    n_bytes: int
+    offset: int  # absolute offset of the data in the file
+
+
+@dataclass
+class Model:
+    path: Path
+    file_size: int
+    arch: str
+    name: str
+    n_layer: int
+    n_embd: int
+    n_head: int
+    n_head_kv: int
+    n_ff: int
+    n_vocab: int
+    n_ctx_train: int
+    tensors: list[Tensor] = field(default_factory=list)
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(t.n_bytes for t in self.tensors)
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+    def layer_tensors(self, layer: int | None) -> list[Tensor]:
+        return [t for t in self.tensors if t.layer == layer]
+
+    def layer_bytes(self, layer: int) -> int:
+        return sum(t.n_bytes for t in self.tensors if t.layer == layer)
+
+    def kv_cache_bytes(self, n_ctx: int, bytes_per_value: int = 2) -> int:
+        """K and V for every layer at n_ctx positions (f16 by default, as llama.cpp's default)."""
+        return 2 * self.n_layer * n_ctx * self.n_head_kv * self.head_dim * bytes_per_value
+
+
+def tensor_kind(name: str) -> tuple[str, int | None]:
+    """The kind and layer of a tensor, from llama.cpp's naming (blk.N.attn_q.weight, output.weight, ...)."""
+    m = _LAYER.match(name)
+    layer = int(m.group(1)) if m else None
+    rest = m.group(2) if m else name
+    if rest.endswith(".bias"):
+        return "bias", layer
+    base = rest.removesuffix(".weight")
+    if "norm" in base:
+        return "norm", layer
+    if base in KINDS:
+        return base, layer
+    if base == "attn_qkv":
+        return "attn_q", layer
+    return "other", layer
+
+
+def load(path: str | os.PathLike) -> Model:
+    """Read and check a GGUF file's header and tensor table.
+
+    Raises FlexoffloadError for a missing file, a file that is not GGUF, or one whose tensor data runs
+    past the end of the file (truncated).
+    """
+    path = Path(path)
+    if not path.exists():
+        raise FlexoffloadError(f"model file not found: {path}")
+    if not path.is_file():
+        raise FlexoffloadError(f"model path is not a file: {path}")
+    file_size = path.stat().st_size
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != GGUF_MAGIC:
+        raise FlexoffloadError(f"not a GGUF file (bad magic {magic!r}): {path}")
+
+    from gguf import GGUFReader  # imported here: it is slow to import and `--help` does not need it
+
+    try:
+        reader = GGUFReader(str(path))
+    except Exception as e:  # the reader raises many kinds on damaged headers
+        raise FlexoffloadError(f"GGUF file is damaged or truncated ({type(e).__name__}: {e}): {path}") from None
+
+    def field_value(key: str, default=None):
+        f = reader.fields.get(key)
+        if f is None:
+            return default
+        v = f.contents()
+        return v
+
+    arch = field_value("general.architecture", "unknown")
+    tensors = []
+    for t in reader.tensors:
+        kind, layer = tensor_kind(t.name)
+        n_bytes = int(t.n_bytes)
+        offset = int(t.data_offset)
+        if offset + n_bytes > file_size:
+            raise FlexoffloadError(
+                f"GGUF file is truncated: tensor {t.name} ends at byte {offset + n_bytes}, "
+                f"the file has {file_size}: {path}"
+            )
+        tensors.append(Tensor(t.name, kind, layer, t.tensor_type.name, tuple(int(x) for x in t.shape), n_bytes, offset))
+    if not tensors:
+        raise FlexoffloadError(f"GGUF file has no tensors: {path}")
+
+    n_head = int(field_value(f"{arch}.attention.head_count", 1) or 1)
+    n_embd = int(field_value(f"{arch}.embedding_length", 0) or 0)
+    token_embd = next((t for t in tensors if t.name == "token_embd.weight"), None)
+    n_vocab = token_embd.shape[1] if token_embd is not None and len(token_embd.shape) > 1 else 0
+    return Model(
+        path=path,
+        file_size=file_size,
+        arch=arch,
+        name=field_value("general.name", path.stem),
+        n_layer=int(field_value(f"{arch}.block_count", 0) or 0),
+        n_embd=n_embd,
+        n_head=n_head,
+        n_head_kv=int(field_value(f"{arch}.attention.head_count_kv", n_head) or n_head),
+        n_ff=int(field_value(f"{arch}.feed_forward_length", 0) or 0),
+        n_vocab=n_vocab,
+        n_ctx_train=int(field_value(f"{arch}.context_length", 0) or 0),
+        tensors=tensors,
+    )

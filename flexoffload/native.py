@@ -1,0 +1,50 @@
+"""The patched llama.cpp build: where it is, its tools, and the llama-cpp-python bindings loaded on it.
+
+scripts/build_native builds one native tree into the cache and links it as build/native in the repo
+(and native/current in the cache). The bindings are installed without a native build of their own and
+find our libllama.so through LLAMA_CPP_LIB_PATH, which must be set before llama_cpp is imported.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from . import FlexoffloadError
+from .models import cache_dir
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def build_dir() -> Path:
+    """The folder holding libllama.so and the tools (llama-completion, llama-bench, ...)."""
+    candidates = []
+    if os.environ.get("FLEXOFFLOAD_NATIVE"):
+        candidates.append(Path(os.environ["FLEXOFFLOAD_NATIVE"]))
+    candidates += [REPO / "build" / "native" / "build" / "bin", cache_dir() / "native" / "current" / "build" / "bin"]
+    for c in candidates:
+        if (c / "libllama.so").is_file():
+            return c
+    raise FlexoffloadError("the native llama.cpp build is missing: run `make setup` (scripts/build_native)")
+
+
+def tool(name: str) -> Path:
+    p = build_dir() / name
+    if not p.is_file():
+        raise FlexoffloadError(f"{name} is not in the native build ({p.parent}): run `make setup`")
+    return p
+
+
+_llama_cpp = None
+
+
+def llama_cpp():
+    """The llama_cpp bindings module, loaded on our native build, with the backend initialised once."""
+    global _llama_cpp
+    if _llama_cpp is None:
+        os.environ["LLAMA_CPP_LIB_PATH"] = str(build_dir())
+        import llama_cpp as lib
+
+        lib.llama_backend_init()
+        _llama_cpp = lib
+    return _llama_cpp

@@ -1,0 +1,32 @@
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from flexoffload import models, synth
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Path:
+    """A 3-layer llama-shaped Q4_0 GGUF with random weights and a 384-token vocabulary (~100 KB)."""
+    return synth.write(tmp_path_factory.mktemp("models") / "tiny.gguf")
+
+
+@pytest.fixture(scope="session")
+def real_model() -> Path:
+    """The real Qwen2.5-Coder-1.5B-Instruct; `make test` fetches it first."""
+    entry = models.CATALOG[models.DEFAULT_MODEL]
+    if not models.is_present(entry):
+        pytest.fail(f"{entry.name} is not fetched: run `flexoffload models fetch` (make test does)")
+    return models.model_path(entry)
+
+
+def cli(*args: str, check: bool = False, timeout: float = 600) -> subprocess.CompletedProcess:
+    """`flexoffload ARGS` in a fresh process, as a user runs it."""
+    r = subprocess.run([sys.executable, "-m", "flexoffload", *args], capture_output=True, text=True,
+                       timeout=timeout, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    if check and r.returncode != 0:
+        raise AssertionError(f"flexoffload {' '.join(args)} failed ({r.returncode}): {r.stderr}")
+    return r

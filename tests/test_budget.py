@@ -1,0 +1,74 @@
+import subprocess
+import sys
+
+import pytest
+
+from flexoffload import FlexoffloadError
+from flexoffload.budget import MemoryCgroup, MiB, parse_size
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("400M", 400 * MiB), ("1.5G", int(1.5 * 1024 * MiB)), ("512MiB", 512 * MiB), ("2g", 2048 * MiB),
+    ("1048576", 1048576), ("64K", 65536), ("0.4x", 400), ("1x", 1000), (".5X", 500),
+])
+def test_parse_size(text, expected):
+    assert parse_size(text, model_size=1000) == expected
+
+
+@pytest.mark.parametrize("text", ["", "abc", "-1G", "0", "0x", "12Q", "1.2.3G"])
+def test_parse_size_rejects(text):
+    with pytest.raises(FlexoffloadError):
+        parse_size(text, model_size=1000)
+
+
+def test_fraction_needs_a_model():
+    with pytest.raises(FlexoffloadError, match="relative"):
+        parse_size("0.5x")
+
+
+def _child(alloc_mb: int) -> list[str]:
+    # touches alloc_mb of anonymous memory, then reports success
+    return [sys.executable, "-c", f"b = bytearray({alloc_mb} << 20); b[::4096] = b'x' * len(b[::4096]); print('ok')"]
+
+
+def test_cgroup_holds_a_process_to_its_budget():
+    with MemoryCgroup(200 * MiB) as cg:
+        path = cg.path
+        ok = cg.popen(_child(100), stdout=subprocess.PIPE, text=True)
+        assert ok.communicate()[0].strip() == "ok" and ok.returncode == 0
+        assert 100 * MiB <= cg.peak() <= 200 * MiB
+        assert not cg.oom_killed()
+        over = cg.popen(_child(400), stdout=subprocess.PIPE, text=True)
+        over.communicate()
+        assert over.returncode == -9  # the kernel's OOM killer
+        assert cg.oom_killed()
+        assert cg.peak() <= 200 * MiB
+    assert not path.exists()  # removed afterwards
+
+
+def test_runtime_overhead_covers_a_real_run(tiny_model):
+    """A cold run of a tiny model, whose peak is nearly all runtime, fits in the estimated minimum."""
+    import json
+
+    from conftest import cli
+    from flexoffload import budget
+    from flexoffload.model import load
+
+    budget.drop_page_cache()
+    r = cli("run", "-m", str(tiny_model), "-p", "a b c", "-n", "4", "--temp", "0", "--mem", "512M", "--enforce",
+            "--json", check=True)
+    peak = json.loads(r.stdout)["peak_mem_mb"] * MiB
+    m = load(tiny_model)
+    assert budget.RUNTIME_OVERHEAD / 4 < peak <= budget.minimum(m, 2048, 512) + m.weight_bytes
+
+
+def test_minimum_is_refused_below_and_named(tiny_model):
+    from flexoffload import budget
+    from flexoffload.model import load
+
+    m = load(tiny_model)
+    need = budget.minimum(m, 2048, 512)
+    assert need > budget.RUNTIME_OVERHEAD + m.kv_cache_bytes(2048)
+    budget.check(m, need, 2048, 512)
+    with pytest.raises(FlexoffloadError, match="minimum is"):
+        budget.check(m, need - 1, 2048, 512)

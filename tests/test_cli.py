@@ -1,0 +1,115 @@
+"""The command line as a user meets it: one-line errors for bad input, JSON for scripts."""
+
+import json
+
+import pytest
+
+from conftest import cli
+
+
+def assert_one_line_error(r, *words):
+    assert r.returncode != 0
+    assert "Traceback" not in r.stderr
+    lines = [line for line in r.stderr.strip().splitlines() if line.strip()]
+    assert len(lines) == 1, r.stderr
+    for w in words:
+        assert w in lines[0], lines[0]
+
+
+def test_version_and_help():
+    r = cli("--version", check=True)
+    assert r.stdout.startswith("flexoffload, version ")
+    r = cli("run", "--help", check=True)
+    for flag in ("-m, --model", "-p, --prompt", "-f, --file", "-n, --n-predict", "-c, --ctx-size", "--temp",
+                 "--seed", "-t, --threads", "--mem", "--enforce", "--json"):
+        assert flag in r.stdout
+
+
+def test_missing_model_file(tmp_path):
+    assert_one_line_error(cli("run", "-m", str(tmp_path / "missing.gguf"), "-p", "x"), "not found")
+
+
+def test_not_a_gguf(tmp_path):
+    p = tmp_path / "notes.gguf"
+    p.write_text("hello, I am text")
+    assert_one_line_error(cli("run", "-m", str(p), "-p", "x"), "not a GGUF")
+    assert_one_line_error(cli("info", "-m", str(p)), "not a GGUF")
+
+
+def test_truncated_gguf(tiny_model, tmp_path):
+    p = tmp_path / "cut.gguf"
+    p.write_bytes(tiny_model.read_bytes()[:-1000])
+    assert_one_line_error(cli("run", "-m", str(p), "-p", "x"), "truncated")
+
+
+def test_unknown_model_name():
+    assert_one_line_error(cli("run", "-m", "llama-9000b", "-p", "x"), "unknown model", "qwen2.5-coder-1.5b-instruct")
+    assert_one_line_error(cli("models", "fetch", "llama-9000b"), "unknown model")
+
+
+def test_no_prompt_and_bad_prompt_file(tiny_model, tmp_path):
+    assert_one_line_error(cli("run", "-m", str(tiny_model)), "no prompt")
+    assert_one_line_error(cli("run", "-m", str(tiny_model), "-f", str(tmp_path / "none.txt")), "cannot read")
+
+
+def test_budget_too_small_names_the_minimum(tiny_model):
+    r = cli("run", "-m", str(tiny_model), "-p", "x", "--mem", "1M")
+    assert_one_line_error(r, "too small", "minimum")
+
+
+def test_bad_budget_text(tiny_model):
+    assert_one_line_error(cli("run", "-m", str(tiny_model), "-p", "x", "--mem", "lots"), "cannot read memory size")
+
+
+def test_prompt_longer_than_context(tiny_model):
+    r = cli("run", "-m", str(tiny_model), "-p", "a b c d e f g h " * 60, "-c", "32", "-n", "4")
+    assert_one_line_error(r, "longer than the context")
+
+
+def test_run_json(tiny_model):
+    r = cli("run", "-m", str(tiny_model), "-p", "a b c", "-n", "8", "--temp", "0", "--json", check=True)
+    out = json.loads(r.stdout)
+    for key in ("text", "tokens", "n_prompt", "n_gen", "ttft_s", "decode_tok_s", "peak_mem_mb", "strategy", "model"):
+        assert key in out
+    assert out["n_gen"] == len(out["tokens"]) <= 8
+    assert out["strategy"] == "mmap" and out["model"]["size"] == tiny_model.stat().st_size
+    assert out["n_prompt"] >= 4  # BOS + three words
+    assert out["peak_source"] == "rss" and out["peak_mem_mb"] > 0
+
+
+def test_run_text_streams_to_stdout_timings_to_stderr(tiny_model, tmp_path):
+    prompt = tmp_path / "p.txt"
+    prompt.write_text("a b c")
+    r = cli("run", "-m", str(tiny_model), "-f", str(prompt), "-n", "8", "--temp", "0", check=True)
+    j = json.loads(cli("run", "-m", str(tiny_model), "-p", "a b c", "-n", "8", "--temp", "0", "--json").stdout)
+    assert r.stdout.rstrip("\n") == j["text"].rstrip("\n")
+    assert "tok/s" in r.stderr and "tok/s" not in r.stdout
+
+
+def test_sampling_is_seeded(tiny_model):
+    def tokens(seed):
+        r = cli("run", "-m", str(tiny_model), "-p", "a b", "-n", "16", "--temp", "1.5", "--seed", str(seed), "--json")
+        return json.loads(r.stdout)["tokens"]
+    assert tokens(1) == tokens(1)
+    assert tokens(1) != tokens(2) or tokens(3) != tokens(1)
+
+
+def test_enforced_run_reports_the_cgroup_peak(tiny_model):
+    r = cli("run", "-m", str(tiny_model), "-p", "a b c", "-n", "4", "--temp", "0", "--mem", "600M", "--enforce",
+            "--json", check=True)
+    out = json.loads(r.stdout)
+    assert out["enforced"] is True and out["peak_source"] == "cgroup"
+    assert 0 < out["peak_mem_mb"] <= 600
+
+
+def test_info(tiny_model):
+    out = json.loads(cli("info", "-m", str(tiny_model), "--json", check=True).stdout)
+    assert out["n_layer"] == 3 and len(out["tensors"]) == 30
+    assert sum(out["layers"].values()) + sum(t["bytes"] for t in out["tensors"] if t["layer"] is None) == out["weight_bytes"]
+    text = cli("info", "-m", str(tiny_model), check=True).stdout
+    assert "-- layer 2" in text and "blk.2.ffn_down.weight" in text and "total: 30 tensors" in text
+
+
+def test_models_list():
+    rows = json.loads(cli("models", "list", "--json", check=True).stdout)
+    assert {r["name"] for r in rows} == {"qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"}
