@@ -50,7 +50,7 @@ def run(model_spec, mems, strategies, repetitions, n_predict, prompt, n_ctx, n_t
         echo("flexoffload: cannot drop the page cache here (needs root); runs after the first start warm")
     rows = []
     total = len(budgets_bytes) * len(strategies) * repetitions
-    with tqdm(total=total, desc="bench", unit="run", file=sys.stderr) as bar:
+    with tqdm(total=total, desc="bench", unit="run", file=sys.stderr, disable=None) as bar:
         for label, limit in budgets_bytes:
             for strategy in strategies:
                 speeds, ttfts, peaks, error, enforced = [], [], [], "", True

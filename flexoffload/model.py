@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import re
+import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -102,32 +103,27 @@ def load(path: str | os.PathLike) -> Model:
     if magic != GGUF_MAGIC:
         raise FlexoffloadError(f"not a GGUF file (bad magic {magic!r}): {path}")
 
-    from gguf import GGUFReader  # imported here: it is slow to import and `--help` does not need it
-
     try:
-        reader = GGUFReader(str(path))
-    except Exception as e:  # the reader raises many kinds on damaged headers
-        raise FlexoffloadError(f"GGUF file is damaged or truncated ({type(e).__name__}: {e}): {path}") from None
+        with open(path, "rb") as f:
+            header = _read_header(f)
+    except (EOFError, struct.error, UnicodeDecodeError, ValueError) as e:
+        raise FlexoffloadError(f"GGUF file is damaged or truncated ({e}): {path}") from None
+    kv = header.kv
 
     def field_value(key: str, default=None):
-        f = reader.fields.get(key)
-        if f is None:
-            return default
-        v = f.contents()
-        return v
+        return kv.get(key, default)
 
     arch = field_value("general.architecture", "unknown")
     tensors = []
-    for t in reader.tensors:
-        kind, layer = tensor_kind(t.name)
-        n_bytes = int(t.n_bytes)
-        offset = int(t.data_offset)
+    for name, shape, type_name, n_bytes, rel_offset in header.tensors:
+        kind, layer = tensor_kind(name)
+        offset = header.data_offset + rel_offset
         if offset + n_bytes > file_size:
             raise FlexoffloadError(
-                f"GGUF file is truncated: tensor {t.name} ends at byte {offset + n_bytes}, "
+                f"GGUF file is truncated: tensor {name} ends at byte {offset + n_bytes}, "
                 f"the file has {file_size}: {path}"
             )
-        tensors.append(Tensor(t.name, kind, layer, t.tensor_type.name, tuple(int(x) for x in t.shape), n_bytes, offset))
+        tensors.append(Tensor(name, kind, layer, type_name, shape, n_bytes, offset))
     if not tensors:
         raise FlexoffloadError(f"GGUF file has no tensors: {path}")
 
@@ -149,3 +145,75 @@ def load(path: str | os.PathLike) -> Model:
         n_ctx_train=int(field_value(f"{arch}.context_length", 0) or 0),
         tensors=tensors,
     )
+
+
+# --- a GGUF header reader ---------------------------------------------------------------------
+# gguf's GGUFReader builds a numpy view per array element, which takes 15 s on a 152k-token vocabulary;
+# this reads scalars and skips arrays, which is all the tensor table needs.
+
+_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_STRING, _ARRAY = 8, 9
+
+
+@dataclass
+class _Header:
+    kv: dict
+    tensors: list  # (name, shape, type name, n_bytes, offset relative to the data section)
+    data_offset: int
+
+
+def _read_header(f) -> _Header:
+    def read(n: int) -> bytes:
+        b = f.read(n)
+        if len(b) != n:
+            raise EOFError("the header ends early")
+        return b
+
+    def unpack(fmt: str):
+        return struct.unpack("<" + fmt, read(struct.calcsize("<" + fmt)))[0]
+
+    def string() -> str:
+        return read(unpack("Q")).decode("utf-8")
+
+    def value(vtype: int):
+        if vtype in _SCALARS:
+            return unpack(_SCALARS[vtype])
+        if vtype == _STRING:
+            return string()
+        if vtype == _ARRAY:
+            item_type, n = unpack("I"), unpack("Q")
+            if item_type in _SCALARS:  # fixed-size items: skip them in one seek
+                f.seek(n * struct.calcsize("<" + _SCALARS[item_type]), os.SEEK_CUR)
+            elif item_type == _STRING:  # skip each string by its length, without decoding it
+                for _ in range(n):
+                    f.seek(unpack("Q"), os.SEEK_CUR)
+            else:
+                for _ in range(n):
+                    value(item_type)
+            return None
+        raise ValueError(f"unknown GGUF value type {vtype}")
+
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    read(4)  # magic, checked by the caller
+    version = unpack("I")
+    if version < 2:
+        raise ValueError(f"GGUF version {version} is not supported")
+    n_tensors, n_kv = unpack("Q"), unpack("Q")
+    kv = {}
+    for _ in range(n_kv):
+        key = string()
+        kv[key] = value(unpack("I"))
+    tensors = []
+    for _ in range(n_tensors):
+        name = string()
+        shape = tuple(unpack("Q") for _ in range(unpack("I")))
+        ggml_type = GGMLQuantizationType(unpack("I"))
+        block, type_size = GGML_QUANT_SIZES[ggml_type]
+        n_elements = 1
+        for d in shape:
+            n_elements *= d
+        tensors.append((name, shape, ggml_type.name, n_elements // block * type_size, unpack("Q")))
+    alignment = kv.get("general.alignment", 32)
+    data_offset = -(-f.tell() // alignment) * alignment
+    return _Header(kv, tensors, data_offset)

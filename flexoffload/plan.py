@@ -1,0 +1,166 @@
+r"""A plan: which tensors stay resident and which stream, the memory it takes, the speed it predicts; its files.
+
+`write` puts a plan in a directory as two files:
+- tensors.ot: llama.cpp's --override-tensor syntax, one `regex=STREAMED` a line, sending the streamed tensors to
+  the streaming patch's buffer type. The loader (src/llama-model-loader.cpp, the tensor_buft_overrides loop) tries
+  each tensor name against the patterns in order with std::regex_search, a match anywhere in the name, and the
+  first match wins; so every pattern is anchored ^…$ with its dots escaped (unanchored, `blk\.1\.ffn_up` would
+  also take blk.1.ffn_up_shexp.weight, and an unescaped dot matches any character). One line covers a kind
+  across layers (`^blk\.(0|1|2)\.ffn_up\.weight$`, or `\d+` when it streams in every layer), and kinds streamed
+  in the same layers share a line. Patterns hold no ',' or '=': the -ot parser splits on them.
+- plan.json: everything, human readable (the streamed list too, so `read` can check tensors.ot against it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from . import FlexoffloadError
+from .costmodel import Profile
+
+STREAMED_BUFT = "STREAMED"  # the name the streaming patch registers its buffer type under
+OVERRIDES_FILE = "tensors.ot"
+PLAN_FILE = "plan.json"
+
+_LAYER = re.compile(r"^blk\.(\d+)\.(.+)$")
+
+
+@dataclass(frozen=True)
+class Memory:
+    """Where the budget goes, in bytes."""
+
+    resident: int  # weights kept in memory
+    window: int  # prefetch buffers for the streamed tensors
+    kv_cache: int
+    compute: int  # compute buffers
+    overhead: int  # the runtime's own
+
+    @property
+    def total(self) -> int:
+        return self.resident + self.window + self.kv_cache + self.compute + self.overhead
+
+
+@dataclass(frozen=True)
+class Plan:
+    model: str  # path of the GGUF
+    policy: str
+    budget: int  # bytes for the whole process
+    memory: Memory
+    resident: tuple[str, ...]  # tensor names, file order
+    streamed: tuple[str, ...]
+    window: int  # prefetch window (layers read ahead of the one computing)
+    io_threads: int
+    predicted_tok_s: float
+    roofline_tok_s: float
+    profile: Profile | None = None  # the profile the prediction used
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["memory"]["total"] = self.memory.total
+        d["resident"], d["streamed"] = list(self.resident), list(self.streamed)
+        d["profile"] = self.profile.to_dict() if self.profile else None
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Plan":
+        memory = {k: v for k, v in d["memory"].items() if k != "total"}
+        profile = Profile.from_dict(d["profile"]) if d.get("profile") else None
+        return cls(**{**d, "memory": Memory(**memory), "resident": tuple(d["resident"]),
+                      "streamed": tuple(d["streamed"]), "profile": profile})
+
+
+def _escape(text: str) -> str:
+    """Escape for both ECMAScript (std::regex) and Python; ',' and '=' as hex escapes for the -ot parser."""
+    text = re.sub(r"([.^$*+?()\[\]{}|\\])", r"\\\1", text)
+    return text.replace(",", r"\x2c").replace("=", r"\x3d")
+
+
+def _alternation(items: list[str]) -> str:
+    return items[0] if len(items) == 1 else "(" + "|".join(items) + ")"
+
+
+def override_patterns(streamed: list[str], names: list[str]) -> list[str]:
+    """Regexes matching exactly the streamed names among `names` (all the model's tensors), few and readable.
+
+    Names outside the layers get a line each. A layer tensor kind (the name after `blk.N.`) is written for the
+    layers it streams in, `\\d+` when it streams in every layer that has it; kinds with the same layer pattern
+    share a line.
+    """
+    streamed_set = set(streamed)
+    layers_of: dict[str, list[int]] = {}  # suffix -> layers having it, file order
+    for name in names:
+        m = _LAYER.match(name)
+        if m:
+            layers_of.setdefault(m.group(2), []).append(int(m.group(1)))
+    lines: dict[str, list[str]] = {}  # layer pattern -> suffixes, first seen first
+    done, patterns = set(), []
+    for name in names:
+        if name not in streamed_set:
+            continue
+        m = _LAYER.match(name)
+        if not m:
+            patterns.append(f"^{_escape(name)}$")
+            continue
+        suffix = m.group(2)
+        if suffix in done:
+            continue
+        done.add(suffix)
+        layers = sorted({layer for layer in layers_of[suffix] if f"blk.{layer}.{suffix}" in streamed_set})
+        every = len(layers) == len(set(layers_of[suffix]))
+        lines.setdefault(r"\d+" if every else _alternation([str(x) for x in layers]), []).append(suffix)
+    for layers, suffixes in lines.items():
+        if all(s.endswith(".weight") for s in suffixes):
+            kinds = _alternation([_escape(s.removesuffix(".weight")) for s in suffixes]) + r"\.weight"
+        else:
+            kinds = _alternation([_escape(s) for s in suffixes])
+        patterns.append(rf"^blk\.{layers}\.{kinds}$")
+    return patterns
+
+
+def write(plan: Plan, directory: str | os.PathLike) -> Path:
+    """Write tensors.ot and plan.json into directory (made if missing); returns the directory."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    patterns = override_patterns(list(plan.streamed), list(plan.resident) + list(plan.streamed))
+    (directory / OVERRIDES_FILE).write_text("".join(f"{p}={STREAMED_BUFT}\n" for p in patterns))
+    (directory / PLAN_FILE).write_text(json.dumps(plan.to_dict(), indent=1) + "\n")
+    return directory
+
+
+def read_overrides(path: str | os.PathLike) -> list[tuple[str, str]]:
+    """(pattern, buffer type) per line of a tensors.ot, split at the first '=' as llama.cpp's -ot parser does."""
+    pairs = []
+    for line in Path(path).read_text().splitlines():
+        if line.strip():
+            pattern, sep, buft = line.partition("=")
+            if not sep:
+                raise FlexoffloadError(f"{path}: line without '=': {line!r}")
+            pairs.append((pattern, buft))
+    return pairs
+
+
+def streamed_by(overrides: list[tuple[str, str]], names: list[str]) -> list[str]:
+    """The names an override list sends to the streamed buffer type, matched as llama.cpp does (regex_search,
+    first matching pattern wins)."""
+    compiled = [(re.compile(p), b) for p, b in overrides]
+    return [n for n in names if next((b for p, b in compiled if p.search(n)), None) == STREAMED_BUFT]
+
+
+def read(directory: str | os.PathLike) -> Plan:
+    """The plan in directory; checks that its tensors.ot streams exactly the plan's streamed tensors."""
+    directory = Path(directory)
+    try:
+        plan = Plan.from_dict(json.loads((directory / PLAN_FILE).read_text()))
+        overrides = read_overrides(directory / OVERRIDES_FILE)
+    except FileNotFoundError as e:
+        raise FlexoffloadError(f"not a plan directory ({e.filename} missing): {directory}") from None
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise FlexoffloadError(f"damaged {PLAN_FILE} in {directory}: {e}") from None
+    if streamed_by(overrides, list(plan.resident) + list(plan.streamed)) != [
+            n for n in list(plan.resident) + list(plan.streamed) if n in set(plan.streamed)]:
+        raise FlexoffloadError(f"{directory / OVERRIDES_FILE} does not stream exactly the plan's streamed tensors")
+    return plan

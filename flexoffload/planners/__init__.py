@@ -1,0 +1,225 @@
+"""Planners: which tensors stay resident under a memory budget; every policy is judged by the one cost model.
+
+A policy is `plan(model, capacity, profile, window, io_threads) -> set of resident tensor names`. The capacity is
+the budget less KV cache, compute buffers and runtime overhead: the memory for weights, which holds the resident
+tensors and the prefetch window's buffers for the streamed ones. The window's size depends on what streams (the
+most streamed bytes of window+1 consecutive stages), so each policy pays for its own: a `Ledger` keeps resident
+bytes + window <= capacity exactly as tensors are added. A lumpy plan (whole layers streamed) needs a bigger
+window than an even one, and that memory is not there for resident tensors: part of what balance buys.
+
+Rules shared by all policies (`base`):
+- Small tensors (norms, biases, anything under SMALL_BYTES) are always resident: together they are about 1% of a
+  model, and streaming each would cost a read request per token for almost no bytes (HyperGen's size-aware
+  caching). A capacity below them and the window of streaming all else is an error (see `minimum_budget`).
+- The tensors outside the layers (token_embd, output) stay resident unless the capacity cannot hold them. Each is
+  one large lump in the pipeline needing a window buffer as big as itself: streaming one frees its bytes but takes
+  most of them back in window, and its read cannot be spread over layers. When one must give way, token_embd
+  streams first: it is the smaller, so its buffer is; and it is read whole although decode only looks up one row
+  (get_rows), which a row-granular read in the runtime could later make almost free.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Iterable
+
+from .. import FlexoffloadError
+from ..budget import format_size
+from ..costmodel import Pipeline, Profile, roofline, window_bytes_of
+from ..model import Model, Tensor
+from ..plan import Memory, Plan
+
+SMALL_BYTES = 1 << 20  # tensors under this are always resident
+AUTO_WINDOWS = (0, 1, 2, 3, 4)  # prefetch windows make_plan chooses among (FlexInfer's default is 3)
+DEFAULT_IO_THREADS = 4
+ATTENTION = ("attn_q", "attn_k", "attn_v", "attn_output")
+FFN = ("ffn_gate", "ffn_up", "ffn_down")
+
+Planner = Callable[[Model, int, Profile, int, int], set[str]]
+
+
+def is_small(t: Tensor) -> bool:
+    return t.kind in ("norm", "bias") or t.n_bytes < SMALL_BYTES
+
+
+def always_resident(model: Model) -> set[str]:
+    return {t.name for t in model.tensors if is_small(t)}
+
+
+def memory_for(model: Model, resident: Collection[str], window: int) -> int:
+    """Memory for weights a resident set takes: its bytes and the window its streamed tensors need."""
+    return sum(t.n_bytes for t in model.tensors if t.name in resident) + Pipeline(model).window_bytes(resident, window)
+
+
+class Ledger:
+    """A resident set being built, within a capacity for its bytes plus its window.
+
+    Only layer tensors are added (the stages are then fixed). Making a tensor resident never grows the window, so
+    what fits with the window as last computed fits; it is recomputed only when that is not enough.
+    """
+
+    def __init__(self, model: Model, resident: set[str], capacity: int, window: int):
+        stages = Pipeline(model).stages(resident)
+        index = {s.name: i for i, s in enumerate(stages)}
+        self.stage = {t.name: index[f"blk.{t.layer}"] for t in model.tensors if t.layer is not None}
+        self.streamed = [s.streamed_bytes for s in stages]  # per stage
+        self.resident = set(resident)
+        self.used = sum(t.n_bytes for t in model.tensors if t.name in resident)
+        self.capacity, self.window = capacity, window
+        self.window_bytes = window_bytes_of(self.streamed, window)  # an upper bound while not fresh
+        self._fresh, self._window_stages = True, None
+
+    def copy(self) -> "Ledger":
+        other = object.__new__(Ledger)
+        other.__dict__.update(self.__dict__, resident=set(self.resident), streamed=list(self.streamed))
+        return other
+
+    def fits(self, tensors: Iterable[Tensor]) -> bool:
+        """Whether all these (streamed layer) tensors can be made resident together."""
+        tensors = [t for t in tensors if t.name not in self.resident]
+        n_bytes = sum(t.n_bytes for t in tensors)
+        if self.used + n_bytes + self.window_bytes <= self.capacity:
+            return True
+        self._refresh()
+        if self.used + n_bytes + self.window_bytes <= self.capacity:
+            return True
+        if len(tensors) == 1 and self.stage[tensors[0].name] not in self.window_stages():
+            return False  # the window would not shrink
+        streamed = list(self.streamed)
+        for t in tensors:
+            streamed[self.stage[t.name]] -= t.n_bytes
+        return self.used + n_bytes + window_bytes_of(streamed, self.window) <= self.capacity
+
+    def add(self, tensors: Iterable[Tensor]) -> None:
+        for t in tensors:
+            if t.name not in self.resident:
+                self.resident.add(t.name)
+                self.used += t.n_bytes
+                self.streamed[self.stage[t.name]] -= t.n_bytes
+                self._fresh, self._window_stages = False, None
+        if self.used + self.window_bytes > self.capacity:
+            self._refresh()
+            assert self.used + self.window_bytes <= self.capacity, "added tensors that do not fit"
+
+    def take(self, tensors: Iterable[Tensor]) -> "Ledger":
+        """Make tensors resident in the given order, each one that still fits (first fit)."""
+        for t in tensors:
+            if t.name not in self.resident and self.fits([t]):
+                self.add([t])
+        return self
+
+    def shrink(self, t: Tensor) -> int:
+        """How much making t resident would shrink the window."""
+        self._refresh()
+        streamed = list(self.streamed)
+        streamed[self.stage[t.name]] -= t.n_bytes
+        return self.window_bytes - window_bytes_of(streamed, self.window)
+
+    def window_stages(self) -> set[int]:
+        """The stages in every run of window+1 stages that sets the window: only a tensor there can shrink it."""
+        if self._window_stages is None:
+            n, span = len(self.streamed), self.window + 1
+            stages = set(range(n))
+            if span < n:
+                runs = [sum(self.streamed[(i + j) % n] for j in range(span)) for i in range(n)]
+                top = max(runs)
+                for i, run in enumerate(runs):
+                    if run == top:
+                        stages &= {(i + j) % n for j in range(span)}
+            self._window_stages = stages
+        return self._window_stages
+
+    def _refresh(self) -> None:
+        if not self._fresh:
+            self.window_bytes, self._fresh = window_bytes_of(self.streamed, self.window), True
+
+
+def base(model: Model, capacity: int, window: int) -> Ledger:
+    """The ledger every policy starts from: small tensors, then output and token_embd, each if it fits with
+    everything else streamed (output first: token_embd streams first)."""
+    resident = always_resident(model)
+    need = memory_for(model, resident, window)
+    if need > capacity:
+        raise FlexoffloadError(f"{format_size(capacity)} for weights is below the {format_size(need)} that the small "
+                               f"tensors and a window of {window} over everything else streamed need")
+    outside = [t for t in model.tensors if t.layer is None and t.name not in resident]
+    outside.sort(key=lambda t: (t.kind == "token_embd", -t.n_bytes))  # output and any others, token_embd last
+    for t in outside:
+        if memory_for(model, resident | {t.name}, window) <= capacity:
+            resident.add(t.name)
+    return Ledger(model, resident, capacity, window)
+
+
+def layer_pool(model: Model, resident: Iterable[str]) -> list[Tensor]:
+    """The layer tensors a policy chooses among: those not already resident, in file order."""
+    resident = set(resident)
+    return [t for t in model.tensors if t.layer is not None and t.name not in resident]
+
+
+def by_kind(pool: Iterable[Tensor], kinds: Iterable[str]) -> list[list[Tensor]]:
+    """The pool's tensors of each kind (layers ascending), the kinds smallest total first (ties in llama order):
+    with GQA the small K and V come before Q and output, as FlexInfer prefers."""
+    pool = sorted(pool, key=lambda t: t.layer)  # files may list layers as 0, 1, 10, 11, …
+    groups = [[t for t in pool if t.kind == k] for k in kinds]
+    groups = [g for g in groups if g]
+    return sorted(groups, key=lambda g: sum(t.n_bytes for t in g))
+
+
+def minimum_budget(model: Model, window: int | None = None, kv_cache: int = 0, compute: int = 0,
+                   overhead: int = 0) -> int:
+    """The smallest budget that runs: everything streamable streamed, small tensors resident, the window's
+    buffers, KV cache, compute buffers and overhead (window None: the least over AUTO_WINDOWS, i.e. window 0).
+    Streaming a tensor moves its bytes to the window at most, so no plan needs less."""
+    windows = AUTO_WINDOWS if window is None else (window,)
+    small = always_resident(model)
+    return min(memory_for(model, small, w) for w in windows) + kv_cache + compute + overhead
+
+
+def make_plan(model: Model, budget: int, policy: str, profile: Profile, window: int | None = None,
+              io_threads: int = DEFAULT_IO_THREADS, kv_cache: int = 0, compute: int = 0, overhead: int = 0) -> Plan:
+    """Plan a whole-process budget: resident weights + window + KV cache + compute buffers + overhead.
+
+    window None: the one of AUTO_WINDOWS the cost model predicts fastest for this policy and budget. A deeper
+    window overlaps more but its buffers take memory from resident tensors: while the disk is the bottleneck one
+    layer read ahead (1) keeps it busy, and more only costs memory; near the compute/disk balance 2-3 win.
+    """
+    if policy not in POLICIES:
+        raise FlexoffloadError(f"unknown policy {policy!r}: one of {', '.join(POLICIES)}")
+    windows = AUTO_WINDOWS if window is None else (window,)
+    need = min(minimum_budget(model, w, kv_cache, compute, overhead) for w in windows)
+    if budget < need:
+        raise FlexoffloadError(f"budget {format_size(budget)} is below the minimum {format_size(need)} for "
+                               f"{model.name} with window {min(windows)}")
+    capacity = budget - kv_cache - compute - overhead
+    pipe = Pipeline(model, profile, io_threads)
+    best = None
+    for w in windows:
+        if budget >= minimum_budget(model, w, kv_cache, compute, overhead):
+            resident = POLICIES[policy](model, capacity, profile, w, io_threads)
+            seconds = pipe.seconds(resident, w)
+            if best is None or seconds < best[0]:
+                best = seconds, w, resident
+    seconds, window, resident = best
+    memory = Memory(resident=sum(t.n_bytes for t in model.tensors if t.name in resident),
+                    window=pipe.window_bytes(resident, window), kv_cache=kv_cache, compute=compute,
+                    overhead=overhead)
+    return Plan(
+        model=str(model.path), policy=policy, budget=budget, memory=memory,
+        resident=tuple(t.name for t in model.tensors if t.name in resident),
+        streamed=tuple(t.name for t in model.tensors if t.name not in resident),
+        window=window, io_threads=io_threads,
+        predicted_tok_s=1.0 / seconds,
+        roofline_tok_s=roofline(model, profile, capacity),
+        profile=profile,
+    )
+
+
+# The registry, imported last: the policy modules use the helpers above.
+from . import attn_first, balanced, ffn_first, flexinfer, layer  # noqa: E402
+
+POLICIES: dict[str, Planner] = {
+    "balanced": balanced.plan,
+    "flexinfer": flexinfer.plan,
+    "attn-first": attn_first.plan,
+    "ffn-first": ffn_first.plan,
+    "layer": layer.plan,
+}

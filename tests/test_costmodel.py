@@ -1,0 +1,184 @@
+import math
+import random
+
+import pytest
+
+from flexoffload import costmodel, synth
+from flexoffload.costmodel import Pipeline, Profile, Stage, simulate, window_bytes_of
+from flexoffload.model import load
+from flexoffload.planners import always_resident
+
+# 8 layers, F32: attn_q/attn_output 1 MiB, attn_k/v 256 KiB (small), FFN 3 MiB each, token_embd/output 2 MiB
+SHAPE = synth.Shape(n_layer=8, n_embd=512, n_ff=1536, n_head=8, n_head_kv=2, n_vocab=1024, n_ctx_train=512)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return load(synth.write(tmp_path_factory.mktemp("models") / "eight.gguf", SHAPE, "F32"))
+
+
+def disk_bound(model) -> Profile:
+    """Reading the whole model takes ~8x its compute."""
+    return Profile.calibrated(model, tok_s=100.0, disk_bw=model.weight_bytes * 100 / 8)
+
+
+def compute_bound(model) -> Profile:
+    """Reading the whole model takes ~1/4 of its compute."""
+    return Profile.calibrated(model, tok_s=100.0, disk_bw=model.weight_bytes * 100 * 4)
+
+
+def stages(reads, computes):
+    return [Stage(f"s{i}", c, r, int(r * 1000), 1 if r else 0) for i, (r, c) in enumerate(zip(reads, computes))]
+
+
+@pytest.mark.parametrize("window,period", [(0, 4.0), (1, 3.0), (2, 2.0), (5, 2.0)])
+def test_simulation_by_hand(window, period):
+    # stage A reads 2 and computes 1, stage B only computes 1. Window 0: read, then compute (2+1+1).
+    # Window 1: A's next read waits for A's compute to free its buffer: 3. Window 2: fully overlapped, max(2, 2).
+    p = simulate(stages([2.0, 0.0], [1.0, 1.0]), window)
+    assert p.seconds_per_token == pytest.approx(period)
+    assert [s.stage.name for s in p.stages] == ["s0", "s1"]
+    assert p.stages[-1].compute_end == pytest.approx(period)  # relative to the previous token's end
+
+
+def test_simulation_is_max_plus_steady_state():
+    # random pipelines: the steady time lies between the two obvious bounds, and window 0 is their sum
+    rng = random.Random(1)
+    for _ in range(50):
+        n = rng.randint(1, 12)
+        reads = [rng.choice([0.0, rng.uniform(0, 3)]) for _ in range(n)]
+        computes = [rng.uniform(0.1, 2) for _ in range(n)]
+        st = stages(reads, computes)
+        assert simulate(st, 0).seconds_per_token == pytest.approx(sum(reads) + sum(computes))
+        times = [simulate(st, w).seconds_per_token for w in range(0, n + 2)]
+        assert all(b <= a * (1 + 1e-12) for a, b in zip(times, times[1:])), "a bigger window is never slower"
+        assert times[-1] == pytest.approx(max(sum(reads), sum(computes)))
+        assert min(times) >= max(sum(reads), sum(computes)) * (1 - 1e-12)
+
+
+def test_all_resident_is_compute_bound(model):
+    prof = disk_bound(model)
+    everything = {t.name for t in model.tensors}
+    for window in (0, 1, 3):
+        p = costmodel.predict(model, everything, prof, window, io_threads=4)
+        assert p.seconds_per_token == pytest.approx(costmodel.compute_seconds(model, prof))
+        assert p.read_s == 0 and all(s.stall_s == 0 for s in p.stages)
+    assert costmodel.compute_seconds(model, prof) == pytest.approx(1 / 100.0)  # the calibration
+
+
+@pytest.mark.parametrize("profile", [disk_bound, compute_bound])
+def test_nothing_resident_with_a_huge_window_overlaps_fully(model, profile):
+    prof = profile(model)
+    small = always_resident(model)
+    p = costmodel.predict(model, small, prof, window=100, io_threads=4)
+    streamed = sum(t.n_bytes for t in model.tensors if t.name not in small)
+    assert p.read_s >= streamed / prof.disk_bw
+    assert p.seconds_per_token == pytest.approx(max(p.compute_s, p.read_s))
+    # the stages: token_embd and the output head stream, so they are stages of their own
+    assert [s.stage.name for s in p.stages] == ["token_embd"] + [f"blk.{i}" for i in range(8)] + ["output"]
+
+
+def test_sync_is_formula_3_and_never_faster(model):
+    prof = disk_bound(model)
+    rng = random.Random(2)
+    names = [t.name for t in model.tensors]
+    for _ in range(10):
+        resident = always_resident(model) | set(rng.sample(names, rng.randint(0, len(names))))
+        sync = costmodel.predict(model, resident, prof, 0, io_threads=2)
+        assert sync.seconds_per_token == pytest.approx(sync.compute_s + sync.read_s)
+        for window in (1, 2, 3, 8):
+            assert costmodel.predict(model, resident, prof, window, 2).seconds_per_token <= \
+                sync.seconds_per_token * (1 + 1e-12)
+
+
+@pytest.mark.parametrize("profile", [disk_bound, compute_bound])
+def test_more_resident_never_predicts_slower(model, profile):
+    prof = profile(model)
+    pipe = Pipeline(model, prof, io_threads=2)
+    rng = random.Random(3)
+    for window in (0, 1, 2, 3, 20):
+        resident = set(always_resident(model))
+        order = [t.name for t in model.tensors if t.name not in resident]
+        rng.shuffle(order)
+        before = pipe.seconds(resident, window)
+        for name in order:
+            resident.add(name)
+            now = pipe.seconds(resident, window)
+            assert now <= before * (1 + 1e-12), f"making {name} resident slowed window {window}"
+            before = now
+
+
+def test_the_head_is_a_stage_only_when_it_streams(model):
+    pipe = Pipeline(model, disk_bound(model), 1)
+    everything = {t.name for t in model.tensors}
+    names = [s.name for s in pipe.stages(everything)]
+    assert names == [f"blk.{i}" for i in range(8)]
+    assert [s.name for s in pipe.stages(everything - {"output.weight"})][-1] == "output"
+    assert [s.name for s in pipe.stages(everything - {"token_embd.weight"})][0] == "token_embd"
+    # its compute moves, it does not vanish
+    assert sum(s.compute_s for s in pipe.stages(everything)) == pytest.approx(
+        sum(s.compute_s for s in pipe.stages(everything - {"output.weight"})))
+
+
+def test_latency_is_overlapped_across_io_threads(model):
+    prof = Profile(disk_bw=1e9, io_latency=1e-3)
+    assert prof.read_seconds(0, 0, 4) == 0
+    assert prof.read_seconds(10**9, 5, 4) == pytest.approx(1 + 2e-3)
+    assert prof.read_seconds(10**9, 4, 4) == pytest.approx(1 + 1e-3)
+    small = always_resident(model)
+    one, four = (costmodel.predict(model, small, prof, 0, n).read_s for n in (1, 4))
+    assert one > four
+
+
+def test_window_bytes_is_the_largest_run_of_window_plus_one_stages(model):
+    rng = random.Random(4)
+    for _ in range(100):
+        streamed = [rng.randint(0, 100) for _ in range(rng.randint(1, 10))]
+        window = rng.randint(0, 12)
+        n, span = len(streamed), window + 1
+        runs = [sum(streamed[(i + j) % n] for j in range(min(span, n))) for i in range(n)]
+        assert window_bytes_of(streamed, window) == max(runs)
+    small = always_resident(model)
+    sizes = {t.name: t.n_bytes for t in model.tensors}
+    layer = sum(t.n_bytes for t in model.tensors if t.layer == 0 and t.name not in small)
+    everything_but_layers = {t.name for t in model.tensors if t.layer is None} | small
+    assert costmodel.window_bytes(model, everything_but_layers, 0) == layer
+    assert costmodel.window_bytes(model, everything_but_layers, 2) == 3 * layer
+    # streamed token_embd and output sit next to each other in the ring (the window wraps to the next token)
+    head = {"token_embd.weight", "output.weight"}
+    everything_but_head = {t.name for t in model.tensors} - head
+    assert costmodel.window_bytes(model, everything_but_head, 0) == sizes["output.weight"]
+    assert costmodel.window_bytes(model, everything_but_head, 1) == sum(sizes[n] for n in head)
+
+
+def test_roofline(model):
+    prof = disk_bound(model)
+    w = model.weight_bytes
+    compute = costmodel.compute_seconds(model, prof)
+    assert costmodel.roofline(model, prof, w) == pytest.approx(1 / compute)
+    assert costmodel.roofline(model, prof, w // 2) == pytest.approx(prof.disk_bw / (w - w // 2))
+    # no resident set beats it
+    rng = random.Random(5)
+    for _ in range(20):
+        resident = set(rng.sample([t.name for t in model.tensors], rng.randint(0, len(model.tensors))))
+        held = sum(t.n_bytes for t in model.tensors if t.name in resident)
+        p = costmodel.predict(model, resident, prof, rng.randint(0, 4), 4)
+        assert p.tok_s <= costmodel.roofline(model, prof, held) * (1 + 1e-9)
+
+
+def test_breakdown_adds_up(model):
+    prof = disk_bound(model)
+    resident = always_resident(model) | {t.name for t in model.tensors if t.kind == "ffn_down"}
+    p = costmodel.predict(model, resident, prof, 2, 4)
+    for s in p.stages:
+        assert s.read_end - s.read_start == pytest.approx(s.stage.read_s)
+        assert s.compute_end - s.compute_start == pytest.approx(s.stage.compute_s)
+        assert s.compute_start >= s.read_end - 1e-12 and s.stall_s >= 0
+    assert p.compute_s == pytest.approx(costmodel.compute_seconds(model, prof))
+    assert p.stages[-1].compute_end == pytest.approx(p.seconds_per_token)
+
+
+def test_profile_round_trips_and_types_cost_their_own():
+    prof = Profile(disk_bw=1e9, sec_per_byte={"Q6_K": 2e-10}, default_sec_per_byte=1e-10)
+    assert Profile.from_dict(prof.to_dict()) == prof
+    assert math.isclose(prof.seconds_per_byte("Q6_K"), 2e-10) and math.isclose(prof.seconds_per_byte("Q4_0"), 1e-10)
