@@ -184,6 +184,68 @@ def bench(model_spec, mems, strategies, repetitions, n_predict, prompt, ctx_size
         click.echo(f"flexoffload: wrote {csv_path}", err=True)
 
 
+# --- profile and plan -------------------------------------------------------------------------
+
+@main.command()
+@click.option("-m", "--model", "model_spec", metavar="MODEL", help=f"GGUF path or catalog name [default: {catalog.DEFAULT_MODEL}]")
+@click.option("-t", "--threads", default=os.cpu_count() or 1, show_default=True)
+@click.option("--remeasure", is_flag=True, help="measure again even if a profile is cached")
+@click.option("--json", "as_json", is_flag=True)
+@_errors_as_one_line
+def profile(model_spec, threads, remeasure, as_json):
+    """Measure disk bandwidth and compute speed for the cost model (cached per model file)."""
+    from . import profile as profiler
+    from .costmodel import compute_seconds
+    from .model import load
+
+    model = load(catalog.resolve(model_spec))
+    p = profiler.measure(model, threads, remeasure=remeasure)
+    tok_s = 1.0 / compute_seconds(model, p)
+    if as_json:
+        click.echo(json.dumps({**p.to_dict(), "compute_tok_s": tok_s}))
+        return
+    click.echo(f"{model.path.name}: disk {p.disk_bw / 1e9:.2f} GB/s with O_DIRECT, {p.io_latency * 1e6:.0f} us "
+               f"a small read; decode {tok_s:.2f} tok/s with every weight in memory ({threads} threads)")
+
+
+@main.command()
+@click.option("-m", "--model", "model_spec", metavar="MODEL", help=f"GGUF path or catalog name [default: {catalog.DEFAULT_MODEL}]")
+@click.option("--mem", required=True, help="memory budget for the whole process: 400M, 1.5G or 0.4x")
+@click.option("--policy", default="balanced", show_default=True,
+              help="balanced, flexinfer, attn-first, ffn-first or layer")
+@click.option("-c", "--ctx-size", default=2048, show_default=True)
+@click.option("-b", "--batch-size", default=512, show_default=True)
+@click.option("-t", "--threads", default=os.cpu_count() or 1, show_default=True)
+@click.option("--window", type=int, default=None, help="prefetch window in layers [default: the fastest predicted]")
+@click.option("--io-threads", default=4, show_default=True)
+@click.option("-o", "--output", "out_dir", required=True, type=click.Path(file_okay=False),
+              help="directory for tensors.ot and plan.json")
+@click.option("--json", "as_json", is_flag=True)
+@_errors_as_one_line
+def plan(model_spec, mem, policy, ctx_size, batch_size, threads, window, io_threads, out_dir, as_json):
+    """Choose which tensors stay resident under a budget; write tensors.ot and plan.json."""
+    from . import plan as plans
+    from . import profile as profiler
+    from .model import load
+    from .planners import plan_budget
+
+    model = load(catalog.resolve(model_spec))
+    p = plan_budget(model, budgets.parse_size(mem, model.file_size), policy, profiler.measure(model, threads),
+                    n_ctx=ctx_size, n_batch=batch_size, window=window, io_threads=io_threads)
+    plans.write(p, out_dir)
+    if as_json:
+        click.echo(json.dumps(json.loads((Path(out_dir) / plans.PLAN_FILE).read_text())))
+        return
+    m = p.memory
+    streamed = sum(t.n_bytes for t in model.tensors if t.name in set(p.streamed))
+    click.echo(f"{model.path.name}: {p.policy} plan for {format_size(p.budget)}, written to {out_dir}")
+    click.echo(f"  resident {m.resident / MiB:.0f} MiB ({len(p.resident)} tensors); streamed {streamed / MiB:.0f} MiB "
+               f"per token ({len(p.streamed)} tensors) through a window of {p.window} ({m.window / MiB:.0f} MiB)")
+    click.echo(f"  KV cache {m.kv_cache / MiB:.0f} MiB, compute buffers {m.compute / MiB:.0f} MiB, "
+               f"runtime {m.overhead / MiB:.0f} MiB: {m.total / MiB:.0f} of {p.budget / MiB:.0f} MiB")
+    click.echo(f"  predicted {p.predicted_tok_s:.2f} tok/s; roofline {p.roofline_tok_s:.2f} tok/s")
+
+
 # --- info -------------------------------------------------------------------------------------
 
 @main.command()

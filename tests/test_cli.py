@@ -113,3 +113,20 @@ def test_info(tiny_model):
 def test_models_list():
     rows = json.loads(cli("models", "list", "--json", check=True).stdout)
     assert {r["name"] for r in rows} == {"qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"}
+
+
+def test_profile_and_plan(tiny_model, tmp_path):
+    """profile measures and caches; plan writes tensors.ot and plan.json that agree with each other."""
+    prof = json.loads(cli("profile", "-m", str(tiny_model), "--json", check=True).stdout)
+    assert prof["disk_bw"] > 0 and prof["compute_tok_s"] > 0
+    out = tmp_path / "plan"
+    r = cli("plan", "-m", str(tiny_model), "--mem", "400M", "-c", "256", "-o", str(out), check=True)
+    assert "predicted" in r.stdout and "roofline" in r.stdout
+    from flexoffload import plan as plans
+
+    p = plans.read(out)
+    assert p.policy == "balanced" and p.memory.total <= p.budget
+    assert not p.streamed  # 400 MiB holds a 100 KB model whole
+    assert_one_line_error(cli("plan", "-m", str(tiny_model), "--mem", "1M", "-o", str(out)), "minimum")
+    assert_one_line_error(cli("plan", "-m", str(tiny_model), "--mem", "400M", "--policy", "magic", "-o", str(out)),
+                          "unknown policy")

@@ -213,6 +213,16 @@ def make_plan(model: Model, budget: int, policy: str, profile: Profile, window: 
     )
 
 
+def plan_budget(model: Model, budget: int, policy: str, profile: Profile, n_ctx: int, n_batch: int,
+                window: int | None = None, io_threads: int = DEFAULT_IO_THREADS) -> Plan:
+    """make_plan with the KV cache, compute buffers and runtime overhead of a run at n_ctx and n_batch."""
+    from ..budget import RUNTIME_OVERHEAD, compute_buffer_bytes
+
+    return make_plan(model, budget, policy, profile, window=window, io_threads=io_threads,
+                     kv_cache=model.kv_cache_bytes(n_ctx), compute=compute_buffer_bytes(model, n_ctx, n_batch),
+                     overhead=RUNTIME_OVERHEAD)
+
+
 # The registry, imported last: the policy modules use the helpers above.
 from . import attn_first, balanced, ffn_first, flexinfer, layer  # noqa: E402
 
