@@ -12,7 +12,6 @@ setup: $(VENV)/.installed native
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
 
 # the native build also leaves the Python-only llama-cpp-python wheel in the cache
 native: $(VENV)/bin/python
