@@ -20,6 +20,17 @@ from .budget import MiB
 from .model import load
 
 DEFAULT_PROMPT = "def quicksort(arr):\n    \"\"\"Sort a list of numbers in ascending order.\"\"\"\n"
+STRATEGIES = ("mmap", "sync", "prefetch", "stream")
+POLICIES = ("balanced", "flexinfer", "attn-first", "ffn-first", "layer")  # each a `stream` run with that policy
+
+
+def run_args(name: str) -> list[str]:
+    """`flexoffload run` flags for a bench entry: a strategy, or a resident-set policy streamed by."""
+    if name in STRATEGIES:
+        return ["--strategy", name]
+    if name in POLICIES:
+        return ["--strategy", "stream", "--policy", name]
+    raise FlexoffloadError(f"unknown strategy {name!r}: one of {', '.join(STRATEGIES + POLICIES)}")
 
 
 @dataclass
@@ -35,6 +46,8 @@ class Row:
     ttft_s_mean: float
     peak_mb: float
     enforced: bool
+    predicted_tok_s: float = 0.0  # the plan's cost model, for streamed runs
+    roofline_tok_s: float = 0.0
     error: str = ""
 
 
@@ -46,6 +59,13 @@ def run(model_spec, mems, strategies, repetitions, n_predict, prompt, n_ctx, n_t
     if repetitions < 1:
         raise FlexoffloadError("-r must be at least 1")
     budgets_bytes = [(m, budgets.parse_size(m, model.file_size)) for m in mems]
+    for name in strategies:
+        run_args(name)  # unknown names fail before anything runs
+    profile = None
+    if any(name != "mmap" for name in strategies):
+        from . import profile as profiler
+
+        profile = profiler.measure(model, n_threads)
     if not budgets.drop_page_cache():
         echo("flexoffload: cannot drop the page cache here (needs root); runs after the first start warm")
     rows = []
@@ -53,12 +73,11 @@ def run(model_spec, mems, strategies, repetitions, n_predict, prompt, n_ctx, n_t
     with tqdm(total=total, desc="bench", unit="run", file=sys.stderr, disable=None) as bar:
         for label, limit in budgets_bytes:
             for strategy in strategies:
-                speeds, ttfts, peaks, error, enforced = [], [], [], "", True
+                speeds, ttfts, peaks, error, enforced, plan = [], [], [], "", True, {}
                 for _ in range(repetitions):
                     bar.set_postfix_str(f"{label} {strategy}")
                     args = ["-m", str(path), "-p", prompt or DEFAULT_PROMPT, "-n", str(n_predict), "-c", str(n_ctx),
-                            "-t", str(n_threads), "--temp", "0", "--mem", str(limit), "--strategy", strategy,
-                            "--json"]
+                            "-t", str(n_threads), "--temp", "0", "--mem", str(limit), *run_args(strategy), "--json"]
                     budgets.drop_page_cache()
                     try:
                         cgroup = budgets.MemoryCgroup(limit)
@@ -75,6 +94,7 @@ def run(model_spec, mems, strategies, repetitions, n_predict, prompt, n_ctx, n_t
                     ttfts.append(result["ttft_s"])
                     peaks.append(result["peak_mem_mb"])
                     enforced = enforced and result["enforced"]
+                    plan = result.get("plan") or {}
                     bar.update(1)
                 rows.append(Row(
                     model=model.path.name, size_mb=model.file_size / MiB, budget=label, budget_mb=limit / MiB,
@@ -82,8 +102,24 @@ def run(model_spec, mems, strategies, repetitions, n_predict, prompt, n_ctx, n_t
                     tok_s_mean=statistics.fmean(speeds) if speeds else 0.0,
                     tok_s_sd=statistics.stdev(speeds) if len(speeds) > 1 else 0.0,
                     ttft_s_mean=statistics.fmean(ttfts) if ttfts else 0.0,
-                    peak_mb=max(peaks) if peaks else 0.0, enforced=enforced, error=error))
+                    peak_mb=max(peaks) if peaks else 0.0, enforced=enforced,
+                    predicted_tok_s=plan.get("predicted_tok_s", 0.0), roofline_tok_s=plan.get("roofline_tok_s", 0.0),
+                    error=error))
+        if profile is not None:
+            rows.append(roofline_row(model, profile, label, limit, n_ctx))
     return rows
+
+
+def roofline_row(model, profile, label: str, limit: int, n_ctx: int, n_batch: int = 512) -> Row:
+    """What any resident set could reach at this budget if streaming were perfect (the issue's definition)."""
+    from .costmodel import roofline
+
+    capacity = limit - model.kv_cache_bytes(n_ctx) - budgets.compute_buffer_bytes(model, n_ctx, n_batch) \
+        - budgets.RUNTIME_OVERHEAD
+    tok_s = roofline(model, profile, max(capacity, 0))
+    return Row(model=model.path.name, size_mb=model.file_size / MiB, budget=label, budget_mb=limit / MiB,
+               strategy="roofline", runs=0, tok_s_mean=tok_s, tok_s_sd=0.0, ttft_s_mean=0.0, peak_mb=0.0,
+               enforced=False, roofline_tok_s=tok_s)
 
 
 def markdown(rows: list[Row]) -> str:
@@ -91,7 +127,10 @@ def markdown(rows: list[Row]) -> str:
     lines = ["| model | size | budget | strategy | tok/s | ttft s | peak MB |",
              "| --- | ---: | ---: | --- | ---: | ---: | ---: |"]
     for r in rows:
-        speed = f"{r.tok_s_mean:.2f} ± {r.tok_s_sd:.2f}" if r.runs else f"failed: {r.error}"
+        if r.strategy == "roofline":
+            speed = f"{r.tok_s_mean:.2f}"
+        else:
+            speed = f"{r.tok_s_mean:.2f} ± {r.tok_s_sd:.2f}" if r.runs else f"failed: {r.error}"
         lines.append(f"| {r.model} | {r.size_mb:.0f} MiB | {r.budget} ({r.budget_mb:.0f} MiB) | {r.strategy} | "
                      f"{speed} | {r.ttft_s_mean:.2f} | {r.peak_mb:.0f} |")
     return "\n".join(lines)

@@ -73,6 +73,31 @@ def _report(result: dict, as_json: bool) -> None:
     )
 
 
+def plan_for_run(model, strategy: str, policy: str, plan_dir: str | None, budget: int | None, n_ctx: int,
+                 n_batch: int, n_threads: int, window: int | None, io_threads: int):
+    """The plan a run streams by, or None for mmap (and for `stream` with neither budget nor plan: all resident).
+
+    prefetch and sync stream every tensor but the small ones (policy none), with window 3 and 0.
+    """
+    from . import plan as plans
+    from . import profile as profiler
+    from .planners import plan_budget
+
+    if strategy == "mmap":
+        if budget is not None:
+            budgets.check(model, budget, n_ctx, n_batch)
+        return None
+    if plan_dir:
+        return plans.read(plan_dir)
+    if strategy in ("prefetch", "sync"):
+        policy, window = "none", 0 if strategy == "sync" else (3 if window is None else window)
+    elif budget is None:
+        return None
+    return plan_budget(model, budget if budget is not None else 4 * model.file_size + (1 << 30), policy,
+                       profiler.measure(model, n_threads), n_ctx=n_ctx, n_batch=n_batch, window=window,
+                       io_threads=io_threads)
+
+
 @main.command()
 @click.option("-m", "--model", "model_spec", metavar="MODEL", help=f"GGUF path or catalog name [default: {catalog.DEFAULT_MODEL}]")
 @click.option("-p", "--prompt", help="prompt text")
@@ -85,36 +110,45 @@ def _report(result: dict, as_json: bool) -> None:
 @click.option("--seed", default=-1, show_default=True, help="sampling seed (-1: random)")
 @click.option("--mem", help="memory budget for the whole process: 400M, 1.5G, or 0.4x of the model's size")
 @click.option("--enforce", is_flag=True, help="hold the run to --mem with a memory cgroup and report its peak")
-@click.option("--strategy", default="mmap", show_default=True, help="how weights reach memory: mmap")
+@click.option("--strategy", default=None,
+              help="stream (the default with --mem or --plan), mmap (upstream; the default otherwise), prefetch, sync")
+@click.option("--policy", default="balanced", show_default=True,
+              help="what stays resident under --mem: balanced, flexinfer, attn-first, ffn-first, layer")
+@click.option("--plan", "plan_dir", type=click.Path(file_okay=False), help="stream by a saved plan (flexoffload plan)")
+@click.option("--window", type=int, default=None, help="prefetch window in layers [default: the plan's]")
+@click.option("--io-threads", default=4, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object instead of text and timings")
 @click.option("-v", "--verbose", is_flag=True, help="show llama.cpp's log")
 @click.option("--result-file", hidden=True, help="(internal) write the result here instead of reporting it")
 @_errors_as_one_line
 def run(model_spec, prompt, prompt_file, n_predict, ctx_size, batch_size, threads, temp, seed, mem, enforce,
-        strategy, as_json, verbose, result_file):
+        strategy, policy, plan_dir, window, io_threads, as_json, verbose, result_file):
     """Generate text from a prompt."""
     from . import engine
+    from . import plan as plans
     from .model import load
 
     prompt_text = _read_prompt(prompt, prompt_file)
+    strategy = strategy or ("stream" if mem or plan_dir else "mmap")
     if strategy not in engine.STRATEGIES:
         raise FlexoffloadError(f"unknown strategy {strategy!r}: one of {', '.join(engine.STRATEGIES)}")
-    if ctx_size < 16 or batch_size < 1 or threads < 1:
-        raise FlexoffloadError("-c must be at least 16, -b and -t at least 1")
+    if ctx_size < 16 or batch_size < 1 or threads < 1 or io_threads < 1 or (window is not None and window < 0):
+        raise FlexoffloadError("-c must be at least 16, -b, -t and --io-threads at least 1, --window at least 0")
     path = catalog.resolve(model_spec)
     model = load(path)
     limit = budgets.parse_size(mem, model.file_size) if mem else None
-    if limit is not None:
-        budgets.check(model, limit, ctx_size, batch_size)
     if enforce and limit is None:
         raise FlexoffloadError("--enforce needs a budget: add --mem SIZE")
+    plan = plan_for_run(model, strategy, policy, plan_dir, limit, ctx_size, batch_size, threads, window, io_threads)
 
     if enforce and result_file is None:
         cgroup = budgets.enforce_or_warn(limit, lambda msg: click.echo(msg, err=True))
         if cgroup is not None:
             args = ["-m", str(path), "-p", prompt_text, "-n", str(n_predict), "-c", str(ctx_size),
                     "-b", str(batch_size), "-t", str(threads), "--temp", str(temp), "--seed", str(seed),
-                    "--mem", mem, "--strategy", strategy]
+                    "--mem", mem, "--strategy", strategy, "--policy", policy, "--io-threads", str(io_threads)]
+            args += ["--plan", plan_dir] if plan_dir else []
+            args += ["--window", str(window)] if window is not None else []
             args += ["--json"] if as_json else []
             args += ["--verbose"] if verbose else []
             with cgroup:
@@ -123,14 +157,24 @@ def run(model_spec, prompt, prompt_file, n_predict, ctx_size, batch_size, thread
             _report(result, as_json)
             return
 
-    settings = engine.Settings(n_ctx=ctx_size, n_batch=batch_size, n_threads=threads, temp=temp,
-                               seed=seed & 0xFFFFFFFF, strategy=strategy, verbose=verbose)
+    names = [t.name for t in model.tensors]
+    settings = engine.Settings(
+        n_ctx=ctx_size, n_batch=batch_size, n_threads=threads, temp=temp, seed=seed & 0xFFFFFFFF, strategy=strategy,
+        streamed_patterns=tuple(plans.override_patterns(list(plan.streamed), names)) if plan else (),
+        window=(window if window is not None else plan.window) if plan else 0,
+        io_threads=plan.io_threads if plan else io_threads, verbose=verbose)
     on_text = None if as_json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
     with engine.Engine(path, settings) as eng:
         result = eng.generate(prompt_text, n_predict, on_text).to_dict()
     result.update(peak_mem_mb=budgets.peak_rss() / MiB, peak_source="rss", enforced=False,
                   budget_mb=limit / MiB if limit else None,
                   model={"path": str(path), "size": model.file_size, "name": model.name})
+    if plan:
+        streamed = set(plan.streamed)
+        result["plan"] = {"policy": plan.policy, "window": settings.window, "io_threads": settings.io_threads,
+                          "resident_mb": plan.memory.resident / MiB,
+                          "streamed_mb": sum(t.n_bytes for t in model.tensors if t.name in streamed) / MiB,
+                          "predicted_tok_s": plan.predicted_tok_s, "roofline_tok_s": plan.roofline_tok_s}
     if result_file:
         Path(result_file).write_text(json.dumps(result))
         return

@@ -16,7 +16,15 @@ from dataclasses import asdict, dataclass, field
 from . import FlexoffloadError
 from .native import llama_cpp
 
-STRATEGIES = ("mmap",)
+# mmap: upstream (the file mapped, the kernel pages it); stream: the plan's streamed tensors read by prefetch
+# threads, the rest resident; prefetch: every streamable tensor streamed ("Prefetch only"); sync: the same with
+# window 0, each tensor read when compute needs it ("Sync Read").
+STRATEGIES = ("mmap", "stream", "prefetch", "sync")
+
+
+class _Override(ctypes.Structure):
+    """llama_model_tensor_buft_override: the bindings declare the field as a bare pointer."""
+    _fields_ = [("pattern", ctypes.c_char_p), ("buft", ctypes.c_void_p)]
 
 
 @dataclass
@@ -27,6 +35,9 @@ class Settings:
     temp: float = 0.8
     seed: int = 0xFFFFFFFF  # llama.cpp's LLAMA_DEFAULT_SEED: a random seed
     strategy: str = "mmap"
+    streamed_patterns: tuple[str, ...] = ()  # regexes (tensors.ot) of the tensors to stream
+    window: int = 3
+    io_threads: int = 4
     verbose: bool = False
 
 
@@ -82,8 +93,19 @@ class Engine:
         t0 = time.perf_counter()
 
         mparams = lib.llama_model_default_params()
-        mparams.load_mode = lib.LLAMA_LOAD_MODE_MMAP
-        mparams.use_extra_bufts = False  # upstream mmap behaviour without repacking (repacking doubles memory under mmap)
+        # no repacking: under mmap it doubles memory, and it changes the kernels, so greedy output would differ
+        mparams.use_extra_bufts = False
+        if settings.strategy == "mmap":
+            mparams.load_mode = lib.LLAMA_LOAD_MODE_MMAP
+        else:  # resident tensors read once into memory; streamed ones read by the prefetch threads
+            from . import stream
+
+            mparams.load_mode = lib.LLAMA_LOAD_MODE_NONE
+            stream.configure(settings.window, settings.io_threads)
+            buft = stream.buffer_type()
+            patterns = [p.encode() for p in settings.streamed_patterns]
+            self._overrides = (_Override * (len(patterns) + 1))(*[(p, buft) for p in patterns], (None, None))
+            mparams.tensor_buft_overrides = ctypes.cast(self._overrides, ctypes.c_void_p)
         self.model = lib.llama_model_load_from_file(str(model_path).encode(), mparams)
         if not self.model:
             raise FlexoffloadError(f"llama.cpp could not load {model_path}: {self.log.last_error()}")
@@ -134,6 +156,13 @@ class Engine:
         n = self.lib.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, False)
         return buf.raw[:max(n, 0)]
 
+    def last_logits(self):
+        """The logits of the last decoded token, as a numpy array (a copy)."""
+        import numpy as np
+
+        n_vocab = self.lib.llama_vocab_n_tokens(self.vocab)
+        return np.ctypeslib.as_array(self.lib.llama_get_logits_ith(self.ctx, -1), shape=(n_vocab,)).copy()
+
     def _sampler(self):
         lib, s = self.lib, self.settings
         chain = lib.llama_sampler_chain_init(lib.llama_sampler_chain_default_params())
@@ -163,6 +192,10 @@ class Engine:
             raise FlexoffloadError(
                 f"the prompt is {len(prompt_tokens)} tokens, longer than the context of {self.n_ctx}: raise -c")
         lib.llama_memory_clear(lib.llama_get_memory(self.ctx), True)
+        if self.settings.strategy != "mmap":
+            from . import stream
+
+            stream.reset_stats()
         sampler = self._sampler()
         utf8 = codecs.getincrementaldecoder("utf-8")("replace")
         text, tokens, stop = [], [], "limit"
@@ -202,6 +235,14 @@ class Engine:
                 on_text(tail)
         t_first = t_first or t_end
         n_gen = len(tokens)
+        timings = {}
+        if self.settings.strategy != "mmap":
+            from . import stream
+
+            st = stream.stats()
+            timings = {"stream_bytes_read": st.bytes_read, "stream_reads": st.n_reads, "stream_direct": st.n_direct,
+                       "stream_stall_s": st.t_stall_s, "stream_read_s": st.t_read_s, "stream_passes": st.n_passes,
+                       "stream_rereads": st.n_rereads, "stream_committed_peak": st.bytes_committed_peak}
         decode_s = t_end - t_first
         return Result(
             text="".join(text),
@@ -214,4 +255,5 @@ class Engine:
             load_s=self.load_s,
             strategy=self.settings.strategy,
             stop=stop,
+            timings=timings,
         )

@@ -20,13 +20,14 @@ def main(csv_path: str, png_path: str) -> None:
     with open(csv_path) as f:
         rows = list(csv.DictReader(f))
     for r in rows:
-        if int(r["runs"]) > 0:
+        if int(r["runs"]) > 0 or r["strategy"] == "roofline":
             lines[r["strategy"]].append((float(r["budget_mb"]), float(r["tok_s_mean"]), float(r["tok_s_sd"])))
     fig, ax = plt.subplots(figsize=(6, 4))
     for strategy, points in lines.items():
         points.sort()
         x, y, sd = zip(*points)
-        ax.errorbar(x, y, yerr=sd, marker="o", capsize=3, label=strategy)
+        style = {"linestyle": "--", "color": "black"} if strategy == "roofline" else {"marker": "o", "capsize": 3}
+        ax.errorbar(x, y, yerr=sd, label=strategy, **style)
     ax.set_xlabel("memory budget (MiB), enforced by a cgroup")
     ax.set_ylabel("decode tokens/s")
     ax.set_title(f"{rows[0]['model']} ({float(rows[0]['size_mb']):.0f} MiB)")

@@ -86,6 +86,8 @@ def test_token_embd_and_output_stay_unless_forced_and_token_embd_goes_first(qwen
     both = small | {"token_embd.weight", "output.weight"}
     just_output = small | {"output.weight"}
     for name, policy in POLICIES.items():
+        if name == "none":  # keeps nothing by definition (Prefetch only / Sync Read)
+            continue
         r = policy(qwen, memory_for(qwen, both, window), prof, window, 4)
         assert {"token_embd.weight", "output.weight"} <= r, name
         r = policy(qwen, memory_for(qwen, both, window) - 1, prof, window, 4)
@@ -208,7 +210,7 @@ def test_make_plan_accounts_the_whole_budget(qwen):
     extra = dict(kv_cache=28 << 20, compute=60 << 20, overhead=40 << 20)
     floor = minimum_budget(qwen, 3, **extra)
     assert floor == minimum_budget(qwen, 3) + (128 << 20)
-    with pytest.raises(FlexoffloadError, match="below the minimum"):
+    with pytest.raises(FlexoffloadError, match="too small.*the minimum is"):
         make_plan(qwen, floor - 1, "balanced", prof, window=3, **extra)
     with pytest.raises(FlexoffloadError, match="unknown policy"):
         make_plan(qwen, floor, "random", prof, **extra)

@@ -187,8 +187,8 @@ def make_plan(model: Model, budget: int, policy: str, profile: Profile, window: 
     windows = AUTO_WINDOWS if window is None else (window,)
     need = min(minimum_budget(model, w, kv_cache, compute, overhead) for w in windows)
     if budget < need:
-        raise FlexoffloadError(f"budget {format_size(budget)} is below the minimum {format_size(need)} for "
-                               f"{model.name} with window {min(windows)}")
+        raise FlexoffloadError(f"budget {format_size(budget)} is too small for {model.path.name} with window "
+                               f"{min(windows)}: the minimum is {format_size(need)}")
     capacity = budget - kv_cache - compute - overhead
     pipe = Pipeline(model, profile, io_threads)
     best = None
@@ -223,6 +223,11 @@ def plan_budget(model: Model, budget: int, policy: str, profile: Profile, n_ctx:
                      overhead=RUNTIME_OVERHEAD)
 
 
+def stream_all(model: Model, capacity: int, profile: Profile, window: int, io_threads: int) -> set[str]:
+    """No preservation: only the small tensors stay resident (FlexInfer's "Prefetch only" and "Sync Read")."""
+    return always_resident(model)
+
+
 # The registry, imported last: the policy modules use the helpers above.
 from . import attn_first, balanced, ffn_first, flexinfer, layer  # noqa: E402
 
@@ -232,4 +237,5 @@ POLICIES: dict[str, Planner] = {
     "attn-first": attn_first.plan,
     "ffn-first": ffn_first.plan,
     "layer": layer.plan,
+    "none": stream_all,
 }

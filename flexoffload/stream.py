@@ -1,0 +1,102 @@
+"""ctypes bindings for the streaming runtime's C API (include/llama-stream.h, patches 0002-0005).
+
+The patched libllama streams the tensors given the STREAMED buffer type: I/O threads read the next
+`window` layers' tensors while the current layer computes, and give each tensor's memory back after use.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+from . import FlexoffloadError
+from .native import llama_cpp
+
+
+class StreamParams(ctypes.Structure):
+    _fields_ = [("window", ctypes.c_int32), ("n_io_threads", ctypes.c_int32), ("direct_io", ctypes.c_bool),
+                ("verbose", ctypes.c_bool)]
+
+
+class StreamStats(ctypes.Structure):
+    _fields_ = [
+        ("n_reads", ctypes.c_uint64), ("bytes_read", ctypes.c_uint64), ("n_direct", ctypes.c_uint64),
+        ("n_buffered", ctypes.c_uint64), ("t_read_s", ctypes.c_double), ("t_stall_s", ctypes.c_double),
+        ("n_stalls", ctypes.c_uint64), ("n_uses", ctypes.c_uint64), ("n_rereads", ctypes.c_uint64),
+        ("n_passes", ctypes.c_uint64), ("bytes_committed", ctypes.c_int64), ("bytes_committed_peak", ctypes.c_int64),
+        ("n_tensors", ctypes.c_uint64), ("bytes_streamed", ctypes.c_uint64),
+    ]
+
+
+class LayerStats(ctypes.Structure):
+    _fields_ = [("n_reads", ctypes.c_uint64), ("bytes_read", ctypes.c_uint64), ("t_read_s", ctypes.c_double),
+                ("t_stall_s", ctypes.c_double), ("t_wall_s", ctypes.c_double)]
+
+
+_api = None
+
+
+def api():
+    """The bound functions of llama-stream.h, from the libllama the bindings loaded."""
+    global _api
+    if _api is None:
+        llama_cpp()  # loads libllama from our build
+        from llama_cpp.llama_cpp import _lib as lib
+        try:
+            f = lib.llama_stream_buffer_type
+        except AttributeError:
+            raise FlexoffloadError("this libllama has no streaming runtime: run `make setup` to rebuild it") from None
+        f.restype, f.argtypes = ctypes.c_void_p, []
+        lib.llama_stream_default_params.restype = StreamParams
+        lib.llama_stream_set_params.restype, lib.llama_stream_set_params.argtypes = ctypes.c_bool, [ctypes.POINTER(StreamParams)]
+        lib.llama_stream_get_stats.restype, lib.llama_stream_get_stats.argtypes = ctypes.c_bool, [ctypes.POINTER(StreamStats)]
+        lib.llama_stream_n_layers.restype = ctypes.c_int32
+        lib.llama_stream_get_layer_stats.restype = ctypes.c_bool
+        lib.llama_stream_get_layer_stats.argtypes = [ctypes.c_int32, ctypes.POINTER(LayerStats)]
+        lib.llama_stream_reset_stats.restype, lib.llama_stream_reset_stats.argtypes = None, []
+        _api = lib
+    return _api
+
+
+def buffer_type() -> int:
+    buft = api().llama_stream_buffer_type()
+    if not buft:
+        raise FlexoffloadError("streaming is not supported by this build")
+    return buft
+
+
+def configure(window: int, io_threads: int, direct_io: bool = True) -> None:
+    p = api().llama_stream_default_params()
+    p.window, p.n_io_threads, p.direct_io = window, io_threads, direct_io
+    if not api().llama_stream_set_params(ctypes.byref(p)):
+        raise FlexoffloadError("streaming is not supported by this build")
+
+
+@dataclass
+class Stats:
+    bytes_read: int
+    n_reads: int
+    n_direct: int
+    t_read_s: float
+    t_stall_s: float
+    n_passes: int
+    n_rereads: int
+    bytes_committed_peak: int
+    layer_stall_s: list[float]
+
+
+def stats() -> Stats:
+    s = StreamStats()
+    api().llama_stream_get_stats(ctypes.byref(s))
+    layers = []
+    for il in range(api().llama_stream_n_layers()):
+        ls = LayerStats()
+        api().llama_stream_get_layer_stats(il, ctypes.byref(ls))
+        layers.append(ls.t_stall_s)
+    return Stats(bytes_read=s.bytes_read, n_reads=s.n_reads, n_direct=s.n_direct, t_read_s=s.t_read_s,
+                 t_stall_s=s.t_stall_s, n_passes=s.n_passes, n_rereads=s.n_rereads,
+                 bytes_committed_peak=s.bytes_committed_peak, layer_stall_s=layers)
+
+
+def reset_stats() -> None:
+    api().llama_stream_reset_stats()

@@ -1,0 +1,114 @@
+"""The streaming runtime: every strategy and plan gives the same greedy tokens as upstream mmap, reads each
+streamed tensor once per forward pass, and stays inside its budget."""
+
+import json
+
+import pytest
+
+from conftest import cli
+from flexoffload import synth
+from flexoffload.model import load
+
+# big enough that the FFN tensors are not "small" (always resident), small enough to write in a second
+STREAMABLE = synth.Shape(n_layer=4, n_embd=1024, n_ff=2816, n_head=8, n_head_kv=4, n_vocab=384, n_ctx_train=1024)
+PROMPT = 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n'
+
+
+@pytest.fixture(scope="module")
+def streamable_model(tmp_path_factory):
+    return synth.write(tmp_path_factory.mktemp("models") / "streamable.gguf", STREAMABLE)
+
+
+def run_json(model, prompt, n, *extra):
+    r = cli("run", "-m", str(model), "-p", prompt, "-n", str(n), "--temp", "0", "-c", "512", "--json", *extra,
+            check=True)
+    return json.loads(r.stdout)
+
+
+def streamed_bytes(model, out):
+    m = load(model)
+    return sum(t.n_bytes for t in m.tensors if t.n_bytes >= 1 << 20)
+
+
+@pytest.mark.parametrize("strategy", ["prefetch", "sync"])
+def test_stream_everything_matches_mmap(streamable_model, strategy):
+    base = run_json(streamable_model, "a b c", 12, "--strategy", "mmap")
+    out = run_json(streamable_model, "a b c", 12, "--strategy", strategy)
+    assert out["tokens"] == base["tokens"] and out["n_gen"] == 12
+    t = out["timings"]
+    # every forward pass (the prompt, then one per generated token but the last) reads every streamed tensor once
+    passes = 1 + (out["n_gen"] - 1)
+    assert t["stream_rereads"] == 0
+    assert t["stream_bytes_read"] == passes * streamed_bytes(streamable_model, out)
+    assert out["plan"]["window"] == (0 if strategy == "sync" else 3)
+
+
+@pytest.mark.parametrize("policy", ["balanced", "flexinfer", "attn-first", "ffn-first", "layer"])
+def test_every_policy_matches_mmap_under_a_budget(streamable_model, policy):
+    m = load(streamable_model)
+    base = run_json(streamable_model, "a b c", 8, "--strategy", "mmap")
+    from flexoffload import budget as budgets
+
+    # runtime, KV cache and compute buffers, then half the weights for resident tensors and the window
+    budget = budgets.RUNTIME_OVERHEAD + m.kv_cache_bytes(512) + budgets.compute_buffer_bytes(m, 512, 512) \
+        + m.weight_bytes // 2
+    out = run_json(streamable_model, "a b c", 8, "--mem", str(budget), "--policy", policy)
+    assert out["strategy"] == "stream" and out["plan"]["policy"] == policy
+    assert out["tokens"] == base["tokens"]
+    assert 0 < out["plan"]["streamed_mb"] < m.weight_bytes / 2**20
+
+
+def test_saved_plan_runs_and_matches(streamable_model, tmp_path):
+    plan_dir = tmp_path / "plan"
+    cli("plan", "-m", str(streamable_model), "--mem", "200M", "-c", "512", "-o", str(plan_dir), check=True)
+    base = run_json(streamable_model, "a b c", 8, "--strategy", "mmap")
+    out = run_json(streamable_model, "a b c", 8, "--plan", str(plan_dir))
+    assert out["tokens"] == base["tokens"] and out["strategy"] == "stream"
+
+
+def test_prompt_processing_streams_too(streamable_model):
+    """A multi-token batch (the prompt, in ubatches of 16) reads each streamed tensor once per ubatch."""
+    prompt = " ".join("abcdefghijklmnopqrstuvwxyz") * 3
+    base = run_json(streamable_model, prompt, 4, "--strategy", "mmap", "-b", "16")
+    out = run_json(streamable_model, prompt, 4, "--strategy", "prefetch", "-b", "16")
+    assert out["tokens"] == base["tokens"]
+    ubatches = -(-out["n_prompt"] // 16)
+    assert out["timings"]["stream_passes"] == ubatches + out["n_gen"] - 1
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("strategy", ["stream", "prefetch", "sync"])
+def test_real_model_greedy_matches_mmap(real_model, strategy):
+    base = run_json(real_model, PROMPT, 16, "--strategy", "mmap")
+    out = run_json(real_model, PROMPT, 16, "--strategy", strategy, "--mem", "0.5x")
+    assert out["tokens"] == base["tokens"]
+
+
+@pytest.mark.integration
+def test_real_model_stream_under_enforced_budget(real_model):
+    out = run_json(real_model, PROMPT, 16, "--mem", "0.4x", "--enforce")
+    size_mb = real_model.stat().st_size / 2**20
+    assert out["enforced"] and out["strategy"] == "stream"
+    assert out["peak_mem_mb"] <= 0.4 * size_mb + 1
+    assert out["timings"]["stream_rereads"] == 0 and out["timings"]["stream_direct"] > 0
+
+
+def test_logits_are_bit_exact(streamable_model):
+    """Streamed tensors go through the same kernels on the same bytes: logits equal mmap's to the bit."""
+    import numpy as np
+
+    from flexoffload import engine, plan as plans
+    from flexoffload.planners import always_resident
+
+    m = load(streamable_model)
+    streamed = [t.name for t in m.tensors if t.name not in always_resident(m)]
+    patterns = tuple(plans.override_patterns(streamed, [t.name for t in m.tensors]))
+    logits = {}
+    for strategy, window in (("mmap", 0), ("stream", 3), ("stream", 0)):
+        settings = engine.Settings(n_ctx=512, temp=0.0, strategy=strategy, window=window,
+                                   streamed_patterns=patterns if strategy == "stream" else ())
+        with engine.Engine(streamable_model, settings) as eng:
+            eng.generate("a b c d", 5)
+            logits[strategy, window] = eng.last_logits()
+    assert np.array_equal(logits["mmap", 0], logits["stream", 3])
+    assert np.array_equal(logits["mmap", 0], logits["stream", 0])
