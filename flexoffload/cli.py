@@ -1,4 +1,4 @@
-"""The `flexoffload` command line: run, bench, info, models.
+"""The `flexoffload` command line: run, bench, profile, plan, info, models.
 
 Text goes to stdout, timings and progress to stderr, `--json` prints one object for scripts. Bad input
 is one line on stderr and a non-zero exit, never a traceback.
@@ -63,8 +63,8 @@ def _report(result: dict, as_json: bool) -> None:
         click.echo(json.dumps(result))
         return
     click.echo()
-    peak = f"{result['peak_mem_mb']:.0f} MB ({result['peak_source']})"
-    budget = f", budget {result['budget_mb']:.0f} MB" if result.get("budget_mb") else ""
+    peak = f"{result['peak_mem_mb']:.0f} MiB ({result['peak_source']})"
+    budget = f", budget {result['budget_mb']:.0f} MiB" if result.get("budget_mb") else ""
     click.echo(
         f"flexoffload: {result['strategy']}: prompt {result['n_prompt']} tokens at {result['prompt_tok_s']:.1f} tok/s, "
         f"first token {result['ttft_s']:.2f} s, decode {result['n_gen']} tokens at {result['decode_tok_s']:.2f} tok/s, "
