@@ -105,8 +105,8 @@ def run(model_spec, mems, strategies, repetitions, n_predict, prompt, n_ctx, n_t
                     peak_mb=max(peaks) if peaks else 0.0, enforced=enforced,
                     predicted_tok_s=plan.get("predicted_tok_s", 0.0), roofline_tok_s=plan.get("roofline_tok_s", 0.0),
                     error=error))
-        if profile is not None:
-            rows.append(roofline_row(model, profile, label, limit, n_ctx))
+            if profile is not None:
+                rows.append(roofline_row(model, profile, label, limit, n_ctx))
     return rows
 
 
