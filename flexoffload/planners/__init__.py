@@ -229,13 +229,13 @@ def stream_all(model: Model, capacity: int, profile: Profile, window: int, io_th
 
 
 # The registry, imported last: the policy modules use the helpers above.
-from . import attn_first, balanced, ffn_first, flexinfer, layer  # noqa: E402
+from . import balanced, flexinfer, kind_first, layer  # noqa: E402
 
 POLICIES: dict[str, Planner] = {
     "balanced": balanced.plan,
     "flexinfer": flexinfer.plan,
-    "attn-first": attn_first.plan,
-    "ffn-first": ffn_first.plan,
+    "attn-first": kind_first.attn_first,
+    "ffn-first": kind_first.ffn_first,
     "layer": layer.plan,
     "none": stream_all,
 }
