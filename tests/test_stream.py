@@ -39,7 +39,11 @@ def test_stream_everything_matches_mmap(streamable_model, strategy):
     # every forward pass (the prompt, then one per generated token but the last) reads every streamed tensor once
     passes = 1 + (out["n_gen"] - 1)
     assert t["stream_rereads"] == 0
-    assert t["stream_bytes_read"] == passes * streamed_bytes(streamable_model, out)
+    per_pass = streamed_bytes(streamable_model, out)
+    if strategy == "sync":
+        assert t["stream_bytes_read"] == passes * per_pass
+    else:  # the prefetcher may already be reading the next pass's first layers when the run ends
+        assert passes * per_pass <= t["stream_bytes_read"] < (passes + 1) * per_pass
     assert out["plan"]["window"] == (0 if strategy == "sync" else 3)
 
 
