@@ -46,9 +46,9 @@ def test_greedy_equals_llama_completion_real(real_model):
 @pytest.mark.integration
 def test_enforced_budget_on_the_real_model(real_model):
     """At 0.7x of the model's size with mmap the kernel holds the run to the budget, and output is unchanged."""
-    ours = flexoffload_run(real_model, PROMPT, 16, "--mem", "0.7x", "--enforce")
+    ours = flexoffload_run(real_model, PROMPT, 16, "--strategy", "mmap", "--mem", "0.7x", "--enforce")
     size_mb = real_model.stat().st_size / 2**20
-    assert ours["enforced"] and ours["peak_source"] == "cgroup"
+    assert ours["enforced"] and ours["peak_source"] == "cgroup" and ours["strategy"] == "mmap"
     assert ours["peak_mem_mb"] <= 0.7 * size_mb + 1
     assert ours["budget_mb"] == pytest.approx(0.7 * size_mb, rel=1e-3)
     free = flexoffload_run(real_model, PROMPT, 16)
