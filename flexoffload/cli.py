@@ -170,10 +170,9 @@ def run(model_spec, prompt, prompt_file, n_predict, ctx_size, batch_size, thread
                   budget_mb=limit / MiB if limit else None,
                   model={"path": str(path), "size": model.file_size, "name": model.name})
     if plan:
-        streamed = set(plan.streamed)
         result["plan"] = {"policy": plan.policy, "window": settings.window, "io_threads": settings.io_threads,
                           "resident_mb": plan.memory.resident / MiB,
-                          "streamed_mb": sum(t.n_bytes for t in model.tensors if t.name in streamed) / MiB,
+                          "streamed_mb": plans.streamed_bytes(plan, model) / MiB,
                           "predicted_tok_s": plan.predicted_tok_s, "roofline_tok_s": plan.roofline_tok_s}
     if result_file:
         Path(result_file).write_text(json.dumps(result))
@@ -278,10 +277,10 @@ def plan(model_spec, mem, policy, ctx_size, batch_size, threads, window, io_thre
                     n_ctx=ctx_size, n_batch=batch_size, window=window, io_threads=io_threads)
     plans.write(p, out_dir)
     if as_json:
-        click.echo(json.dumps(json.loads((Path(out_dir) / plans.PLAN_FILE).read_text())))
+        click.echo(json.dumps(p.to_dict()))
         return
     m = p.memory
-    streamed = sum(t.n_bytes for t in model.tensors if t.name in set(p.streamed))
+    streamed = plans.streamed_bytes(p, model)
     click.echo(f"{model.path.name}: {p.policy} plan for {format_size(p.budget)}, written to {out_dir}")
     click.echo(f"  resident {m.resident / MiB:.0f} MiB ({len(p.resident)} tensors); streamed {streamed / MiB:.0f} MiB "
                f"per token ({len(p.streamed)} tensors) through a window of {p.window} ({m.window / MiB:.0f} MiB)")

@@ -73,6 +73,12 @@ class Plan:
                       "streamed": tuple(d["streamed"]), "profile": profile})
 
 
+def streamed_bytes(plan: Plan, model) -> int:
+    """Bytes a forward pass reads from disk under the plan: the streamed tensors' sizes."""
+    streamed = set(plan.streamed)
+    return sum(t.n_bytes for t in model.tensors if t.name in streamed)
+
+
 def _escape(text: str) -> str:
     """Escape for both ECMAScript (std::regex) and Python; ',' and '=' as hex escapes for the -ot parser."""
     text = re.sub(r"([.^$*+?()\[\]{}|\\])", r"\\\1", text)
