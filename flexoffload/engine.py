@@ -38,6 +38,8 @@ class Settings:
     streamed_patterns: tuple[str, ...] = ()  # regexes (tensors.ot) of the tensors to stream
     window: int = 3
     io_threads: int = 4
+    n_outputs: int = 1  # logits rows one forward pass returns (a speculation tree needs one per node)
+    n_seq_max: int = 1  # sequences in the KV cache (a speculation tree: one per branch, in one unified cache)
     verbose: bool = False
 
 
@@ -116,7 +118,9 @@ class Engine:
         cparams.n_ubatch = settings.n_batch
         # generation reads only the last token's logits: reserving 1 output instead of n_batch shrinks the
         # compute buffer (measured for the 1.5B at -b 512: 303 MiB down to 67 MiB)
-        cparams.n_outputs_max = 1
+        cparams.n_outputs_max = settings.n_outputs
+        cparams.n_seq_max = settings.n_seq_max
+        cparams.kv_unified = True  # one cache of n_ctx cells that all sequences share (tree branches share prefixes)
         cparams.n_threads = settings.n_threads
         cparams.n_threads_batch = settings.n_threads
         self.ctx = lib.llama_init_from_model(self.model, cparams)
@@ -179,6 +183,14 @@ class Engine:
     def _decode(self, tokens: list[int]) -> None:
         arr = (self.lib.llama_token * len(tokens))(*tokens)
         rc = self.lib.llama_decode(self.ctx, self.lib.llama_batch_get_one(arr, len(tokens)))
+        if self.settings.strategy != "mmap":
+            # a streamed tensor that could not be read was handed to compute zero-filled: the outputs of this
+            # decode are meaningless, report the read error instead (every streaming strategy, window 0 too)
+            from . import stream
+
+            err = stream.error()
+            if err:
+                raise FlexoffloadError(err)
         if rc != 0:
             raise FlexoffloadError(f"llama_decode failed ({rc}): {self.log.last_error()}")
 

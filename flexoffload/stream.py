@@ -54,6 +54,7 @@ def api():
         lib.llama_stream_get_layer_stats.restype = ctypes.c_bool
         lib.llama_stream_get_layer_stats.argtypes = [ctypes.c_int32, ctypes.POINTER(LayerStats)]
         lib.llama_stream_reset_stats.restype, lib.llama_stream_reset_stats.argtypes = None, []
+        lib.llama_stream_get_error.restype, lib.llama_stream_get_error.argtypes = ctypes.c_char_p, []
         _api = lib
     return _api
 
@@ -99,4 +100,15 @@ def stats() -> Stats:
 
 
 def reset_stats() -> None:
+    """Zero the counters and forget a read error (the runtime reads again)."""
     api().llama_stream_reset_stats()
+
+
+def error() -> str | None:
+    """The first read error since the last reset (tensor, offset, file, reason), None if none.
+
+    A streamed tensor that cannot be read does not end the process: the runtime records the error, hands
+    compute zeros and stops reading, so the llama_decode it happened in returns with meaningless outputs.
+    """
+    e = api().llama_stream_get_error()
+    return e.decode("utf-8", "replace") if e else None

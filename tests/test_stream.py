@@ -116,3 +116,51 @@ def test_logits_are_bit_exact(streamable_model):
             logits[strategy, window] = eng.last_logits()
     assert np.array_equal(logits["mmap", 0], logits["stream", 3])
     assert np.array_equal(logits["mmap", 0], logits["stream", 0])
+
+
+# Loads a copy of the model streaming, generates, truncates the file just past the start of the tensor data
+# and generates again; then restores the file and generates once more. Prints what happened as JSON.
+_TRUNCATE_MID_RUN = r"""
+import json, os, shutil, sys
+from flexoffload import FlexoffloadError, engine, plan as plans
+from flexoffload.model import load
+from flexoffload.planners import always_resident
+
+src, path, window = sys.argv[1], sys.argv[2], int(sys.argv[3])
+shutil.copyfile(src, path)
+m = load(path)
+streamed = [t.name for t in m.tensors if t.name not in always_resident(m)]
+patterns = tuple(plans.override_patterns(streamed, [t.name for t in m.tensors]))
+settings = engine.Settings(n_ctx=512, temp=0.0, strategy="stream", window=window, streamed_patterns=patterns)
+out = {"streamed": streamed}
+with engine.Engine(path, settings) as eng:
+    out["before"] = eng.generate("a b c", 3).tokens
+    os.truncate(path, min(t.offset for t in m.tensors) + 1)
+    try:
+        eng.generate("a b c", 3)
+        out["error"] = None
+    except FlexoffloadError as e:
+        out["error"] = str(e)
+    shutil.copyfile(src, path)  # same inode, whole again: after the reset the runtime reads it again
+    out["after"] = eng.generate("a b c", 3).tokens
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("window", [3, 0])
+def test_read_error_mid_run_is_reported_not_fatal(streamable_model, tmp_path, window):
+    """A streamed tensor that cannot be read (file truncated mid-run) raises FlexoffloadError naming the
+    tensor and the file: no abort, no hang (the prefetcher, and window 0's synchronous reads)."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "copy.gguf"
+    r = subprocess.run([sys.executable, "-c", _TRUNCATE_MID_RUN, str(streamable_model), str(path), str(window)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout)
+    err = out["error"]
+    assert err is not None, "the generation on the truncated file did not fail"
+    assert str(path) in err and "file is shorter than expected" in err
+    assert any(f"'{name}'" in err for name in out["streamed"]), err
+    assert len(out["before"]) == 3 and out["after"] == out["before"]
