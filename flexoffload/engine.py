@@ -10,6 +10,7 @@ from __future__ import annotations
 import codecs
 import ctypes
 import os
+import resource
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -67,9 +68,12 @@ class _Log:
     def __init__(self, lib, verbose: bool):
         self.lines: list[str] = []
         self.verbose = verbose
+        self.mlock_failed = False  # llama.cpp only warns when it cannot lock a buffer
 
         def callback(level, text, user_data):
             line = text.decode("utf-8", "replace")
+            if "failed to mlock" in line or "mlock not supported" in line:
+                self.mlock_failed = True
             self.lines.append(line)
             del self.lines[:-200]
             if self.verbose:
@@ -83,6 +87,22 @@ class _Log:
             if "error" in line.lower() or "failed" in line.lower():
                 return line.strip()
         return self.lines[-1].strip() if self.lines else "no log"
+
+
+def raise_memlock_limit() -> int:
+    """Raise RLIMIT_MEMLOCK's soft limit to the hard limit (what an unprivileged process may lock); returns it.
+
+    Without CAP_IPC_LOCK the soft limit (often 8 MiB) caps mlock; locking more fails, and llama.cpp then only
+    warns and leaves the buffer unlocked.
+    """
+    soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    if soft != hard and (hard == resource.RLIM_INFINITY or soft < hard):
+        try:
+            resource.setrlimit(resource.RLIMIT_MEMLOCK, (hard, hard))
+            soft = hard
+        except (ValueError, OSError):
+            pass
+    return soft
 
 
 class Engine:
@@ -99,10 +119,14 @@ class Engine:
         mparams.use_extra_bufts = False
         if settings.strategy == "mmap":
             mparams.load_mode = lib.LLAMA_LOAD_MODE_MMAP
-        else:  # resident tensors read once into memory; streamed ones read by the prefetch threads
+        else:  # resident tensors read once into memory and locked there; streamed ones read by the prefetch threads
             from . import stream
 
-            mparams.load_mode = lib.LLAMA_LOAD_MODE_NONE
+            # mlock: llama.cpp locks every host buffer of weights when it allocates it. The streamed buffer is
+            # not a host buffer (its data is not always there), so only the resident tensors are locked; the
+            # streamed ones keep giving their pages back after use. A failed lock is a warning, not an error.
+            raise_memlock_limit()
+            mparams.load_mode = lib.LLAMA_LOAD_MODE_MLOCK
             stream.configure(settings.window, settings.io_threads)
             buft = stream.buffer_type()
             patterns = [p.encode() for p in settings.streamed_patterns]
@@ -252,7 +276,7 @@ class Engine:
             from . import stream
 
             st = stream.stats()
-            timings = {"stream_bytes_read": st.bytes_read, "stream_reads": st.n_reads, "stream_direct": st.n_direct,
+            timings = {"resident_locked": not self.log.mlock_failed, "stream_bytes_read": st.bytes_read, "stream_reads": st.n_reads, "stream_direct": st.n_direct,
                        "stream_stall_s": st.t_stall_s, "stream_read_s": st.t_read_s, "stream_passes": st.n_passes,
                        "stream_rereads": st.n_rereads, "stream_committed_peak": st.bytes_committed_peak}
         decode_s = t_end - t_first

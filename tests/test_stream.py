@@ -2,6 +2,8 @@
 streamed tensor once per forward pass, and stays inside its budget."""
 
 import json
+import os
+import shutil
 
 import pytest
 
@@ -164,3 +166,75 @@ def test_read_error_mid_run_is_reported_not_fatal(streamable_model, tmp_path, wi
     assert str(path) in err and "file is shorter than expected" in err
     assert any(f"'{name}'" in err for name in out["streamed"]), err
     assert len(out["before"]) == 3 and out["after"] == out["before"]
+
+
+# Loads the model with its large tensors streamed and reports the locked memory (VmLck) after loading and after
+# a generation, what the resident and streamed tensors weigh, and the run's resident_locked.
+_LOCKED = r"""
+import json, resource, sys
+from flexoffload import engine, plan as plans
+from flexoffload.model import load
+from flexoffload.planners import always_resident
+
+def vmlck():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmLck:"):
+            return int(line.split()[1]) * 1024
+
+path = sys.argv[1]
+m = load(path)
+streamed = [t for t in m.tensors if t.name not in always_resident(m)]
+patterns = tuple(plans.override_patterns([t.name for t in streamed], [t.name for t in m.tensors]))
+settings = engine.Settings(n_ctx=512, temp=0.0, strategy="stream", window=1, streamed_patterns=patterns)
+out = {"before": vmlck(), "streamed": sum(t.n_bytes for t in streamed)}
+out["resident"] = m.weight_bytes - out["streamed"]
+with engine.Engine(path, settings) as eng:
+    out["loaded"] = vmlck()
+    r = eng.generate("a b c", 3)
+    out["after"] = vmlck()
+    out["tokens"], out["resident_locked"] = r.tokens, r.timings["resident_locked"]
+out["memlock_soft"] = resource.getrlimit(resource.RLIMIT_MEMLOCK)[0]
+print(json.dumps(out))
+"""
+
+
+def _locked_run(model, *prefix):
+    import subprocess
+    import sys
+
+    r = subprocess.run([*prefix, sys.executable, "-c", _LOCKED, str(model)], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout)
+
+
+def test_resident_tensors_are_locked_streamed_ones_not(streamable_model):
+    out = _locked_run(streamable_model)
+    assert out["before"] == 0 and out["streamed"] > 4 * out["resident"] / 10
+    # the resident tensors' buffer (plus its alignment padding), none of the streamed tensors, window or pool
+    assert out["resident"] <= out["loaded"] < out["resident"] + (1 << 20)
+    assert out["after"] == out["loaded"]
+    assert out["resident_locked"] is True
+
+
+_SETPRIV = ["setpriv", "--inh-caps=-ipc_lock", "--bounding-set=-ipc_lock"]  # root without CAP_IPC_LOCK
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv") or not shutil.which("prlimit"),
+                    reason="needs root, setpriv and prlimit to run without CAP_IPC_LOCK under a memlock limit")
+def test_memlock_limit_raised_or_lock_failure_recorded(streamable_model):
+    """Without CAP_IPC_LOCK, RLIMIT_MEMLOCK caps what can be locked: the engine raises the soft limit to the
+    hard one; where even that is too small, llama.cpp only warns, the run goes on and records it."""
+    import resource
+
+    base = _locked_run(streamable_model)
+    hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)[1]  # may only be lowered here
+    if hard != resource.RLIM_INFINITY and hard < base["loaded"]:
+        pytest.skip(f"the hard RLIMIT_MEMLOCK ({hard} bytes) is below what the resident tensors lock")
+    hard_arg = "unlimited" if hard == resource.RLIM_INFINITY else str(hard)
+    raised = _locked_run(streamable_model, "prlimit", f"--memlock=65536:{hard_arg}", *_SETPRIV)
+    assert raised["memlock_soft"] == hard
+    assert raised["resident_locked"] is True and raised["loaded"] >= raised["resident"]
+    capped = _locked_run(streamable_model, "prlimit", "--memlock=65536:65536", *_SETPRIV)
+    assert capped["resident_locked"] is False and capped["loaded"] < capped["resident"]
+    assert capped["tokens"] == raised["tokens"] == base["tokens"]
