@@ -14,6 +14,11 @@ window 0 it is the sum of both (formula 3). token_embd and the output head are s
 something of theirs streams; otherwise their (resident) compute runs as part of the first and last layer, so the
 window counts layers, as the runtime's prefetcher does (design.md: read layer L+k while L computes).
 
+A streamed token_embd is not read whole: decode looks up one row of it (get_rows), and the runtime reads just the
+rows a pass looks up, synchronously when compute needs them, into pages it gives back right after (`reads_rows`).
+Its stage then has no prefetch read and no window buffer: the row's read is part of its compute, and its memory
+is the pages of ROWS_CHUNK rows, counted beside the window (`rows_memory`).
+
 Simplifications: a stage computes only once all its tensors are in (the runtime waits per tensor, so it can start
 a little earlier); reads are bandwidth plus per-request latency, without seek or jitter; compute does not depend
 on whether a weight was streamed.
@@ -29,6 +34,31 @@ from .model import Model, Tensor
 
 # Kinds whose weights a decode step reads in full by a matrix multiplication.
 MATMUL_KINDS = frozenset({"attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down", "output"})
+
+# A streamed tensor used only by GET_ROWS is read by rows, at most this many at a time, into the pages holding them
+# (the runtime's GGML_CPU_STREAMED_ROWS_CHUNK, patch 0006); pages are of this size (O_DIRECT's alignment).
+ROWS_CHUNK = 32
+PAGE = 4096
+
+
+def row_bytes(t: Tensor) -> int:
+    """Bytes of one row (ggml's ne1 indexes the rows: a token's embedding)."""
+    rows = t.shape[-1] if len(t.shape) > 1 else 1
+    return t.n_bytes // rows
+
+
+def reads_rows(model: Model, t: Tensor) -> bool:
+    """Whether the runtime reads only the looked-up rows of t when it streams: token_embd, used only by GET_ROWS.
+    Not when the output matrix is tied to it (no output.weight): llama.cpp then uses it twice per pass, and the
+    runtime keeps such a tensor resident."""
+    return t.kind == "token_embd" and any(x.kind == "output" for x in model.tensors)
+
+
+def rows_memory(t: Tensor) -> int:
+    """Memory a row-read tensor takes while a lookup computes: the pages of ROWS_CHUNK rows (a row may straddle
+    two), never more than the tensor's own pages."""
+    per_row = (-(-row_bytes(t) // PAGE) + 1) * PAGE
+    return min(ROWS_CHUNK * per_row, -(-t.n_bytes // PAGE) * PAGE + PAGE)
 
 
 @dataclass(frozen=True)
@@ -209,6 +239,7 @@ class Pipeline:
         self.names = ["token_embd"] + [f"blk.{i}" for i in range(model.n_layer)] + ["output"]
         self.compute = [0.0] + [profile.layer_overhead] * model.n_layer + [profile.token_overhead]
         self.tensors: list[list[Tensor]] = [[] for _ in range(n_groups)]
+        self.rows = {t.name: t for t in model.tensors if reads_rows(model, t)}  # read by rows when streamed
         for t in model.tensors:
             g = t.layer + 1 if t.layer is not None else (0 if t.kind == "token_embd" else n_groups - 1)
             self.tensors[g].append(t)
@@ -218,16 +249,21 @@ class Pipeline:
         """The pipeline's stages for a resident set. token_embd and the head are stages only if they stream."""
         groups = []
         for g, tensors in enumerate(self.tensors):
-            streamed = [t.n_bytes for t in tensors if t.name not in resident]
-            groups.append([self.names[g], self.compute[g], sum(streamed), len(streamed)])
+            streamed = [t for t in tensors if t.name not in resident]
+            whole = [t.n_bytes for t in streamed if t.name not in self.rows]
+            # a row-read tensor: one row per decoded token, read when compute needs it (no prefetch, no window)
+            compute = self.compute[g] + sum(self.profile.read_seconds(row_bytes(t), 1, 1)
+                                            for t in streamed if t.name in self.rows)
+            groups.append([self.names[g], compute, sum(whole), len(whole), len(streamed)])
         head, embd = groups[-1], groups[0]
-        if head[3] == 0:  # resident head: computed right after the last layer
+        if head[4] == 0:  # resident head: computed right after the last layer
             groups[-2][1] += head[1]
             groups.pop()
-        if embd[3] == 0:
+        if embd[4] == 0:
             groups[1][1] += embd[1]
             groups.pop(0)
-        return [Stage(name, c, self.profile.read_seconds(b, m, self.io_threads), b, m) for name, c, b, m in groups]
+        return [Stage(name, c, self.profile.read_seconds(b, m, self.io_threads), b, n)
+                for name, c, b, m, n in groups]
 
     def predict(self, resident: Collection[str], window: int) -> Prediction:
         return simulate(self.stages(resident), window)
@@ -236,8 +272,13 @@ class Pipeline:
         return self.predict(resident, window).seconds_per_token
 
     def window_bytes(self, resident: Collection[str], window: int) -> int:
-        """Memory for the prefetch buffers: the most streamed bytes of window+1 consecutive stages (wrapping)."""
-        return window_bytes_of([s.streamed_bytes for s in self.stages(resident)], window)
+        """Memory for the prefetch buffers: the most streamed bytes of window+1 consecutive stages (wrapping), and
+        the pages of the rows a streamed token_embd reads (rows_memory)."""
+        return window_bytes_of([s.streamed_bytes for s in self.stages(resident)], window) + self.rows_memory(resident)
+
+    def rows_memory(self, resident: Collection[str]) -> int:
+        """Memory of the streamed row-read tensors: a lookup's rows, not the tensor."""
+        return sum(rows_memory(t) for name, t in self.rows.items() if name not in resident)
 
     def compute_seconds(self) -> float:
         """Compute time per token with every weight in memory."""
@@ -273,6 +314,8 @@ def compute_seconds(model: Model, profile: Profile) -> float:
 
 
 def roofline(model: Model, profile: Profile, budget_for_weights: int) -> float:
-    """Tokens/s no plan can beat: 1 / max(compute per token, bytes that cannot be in memory / disk bandwidth)."""
-    missing = max(0, model.weight_bytes - budget_for_weights)
+    """Tokens/s no plan can beat: 1 / max(compute per token, bytes that cannot be in memory / disk bandwidth).
+    A row-read tensor (token_embd) can stream for a row a token: only the rest of its bytes are missing ones."""
+    by_rows = sum(t.n_bytes - row_bytes(t) for t in model.tensors if reads_rows(model, t))
+    missing = max(0, model.weight_bytes - by_rows - budget_for_weights)
     return 1.0 / max(compute_seconds(model, profile), missing / profile.disk_bw)

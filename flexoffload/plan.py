@@ -74,9 +74,12 @@ class Plan:
 
 
 def streamed_bytes(plan: Plan, model) -> int:
-    """Bytes a forward pass reads from disk under the plan: the streamed tensors' sizes."""
+    """Bytes a decode pass reads from disk under the plan: the streamed tensors' sizes, but for a tensor read by rows
+    (a streamed token_embd) the one row a token looks up."""
+    from .costmodel import reads_rows, row_bytes
+
     streamed = set(plan.streamed)
-    return sum(t.n_bytes for t in model.tensors if t.name in streamed)
+    return sum(row_bytes(t) if reads_rows(model, t) else t.n_bytes for t in model.tensors if t.name in streamed)
 
 
 def _escape(text: str) -> str:

@@ -71,7 +71,8 @@ def test_nothing_resident_with_a_huge_window_overlaps_fully(model, profile):
     prof = profile(model)
     small = always_resident(model)
     p = costmodel.predict(model, small, prof, window=100, io_threads=4)
-    streamed = sum(t.n_bytes for t in model.tensors if t.name not in small)
+    # token_embd is read by rows, when compute needs them: not prefetched
+    streamed = sum(t.n_bytes for t in model.tensors if t.name not in small and t.kind != "token_embd")
     assert p.read_s >= streamed / prof.disk_bw
     assert p.seconds_per_token == pytest.approx(max(p.compute_s, p.read_s))
     # the stages: token_embd and the output head stream, so they are stages of their own
@@ -144,11 +145,16 @@ def test_window_bytes_is_the_largest_run_of_window_plus_one_stages(model):
     everything_but_layers = {t.name for t in model.tensors if t.layer is None} | small
     assert costmodel.window_bytes(model, everything_but_layers, 0) == layer
     assert costmodel.window_bytes(model, everything_but_layers, 2) == 3 * layer
-    # streamed token_embd and output sit next to each other in the ring (the window wraps to the next token)
+    # streamed token_embd and output sit next to each other in the ring (the window wraps to the next token); the
+    # output takes a buffer as big as itself, token_embd only the pages of the rows a lookup reads, besides
     head = {"token_embd.weight", "output.weight"}
     everything_but_head = {t.name for t in model.tensors} - head
-    assert costmodel.window_bytes(model, everything_but_head, 0) == sizes["output.weight"]
-    assert costmodel.window_bytes(model, everything_but_head, 1) == sum(sizes[n] for n in head)
+    embd = next(t for t in model.tensors if t.name == "token_embd.weight")
+    rows = costmodel.rows_memory(embd)
+    assert rows == costmodel.ROWS_CHUNK * 2 * costmodel.PAGE < sizes["token_embd.weight"]  # 2 KiB rows
+    for window in (0, 1, 3):
+        assert costmodel.window_bytes(model, everything_but_head, window) == sizes["output.weight"] + rows
+        assert costmodel.window_bytes(model, everything_but_head | {"output.weight"}, window) == rows
 
 
 def test_roofline(model):
@@ -156,7 +162,10 @@ def test_roofline(model):
     w = model.weight_bytes
     compute = costmodel.compute_seconds(model, prof)
     assert costmodel.roofline(model, prof, w) == pytest.approx(1 / compute)
-    assert costmodel.roofline(model, prof, w // 2) == pytest.approx(prof.disk_bw / (w - w // 2))
+    # token_embd can stream for a row a token: all but that row is not missing
+    embd = next(t for t in model.tensors if t.kind == "token_embd")
+    missing = w - (embd.n_bytes - costmodel.row_bytes(embd)) - w // 2
+    assert costmodel.roofline(model, prof, w // 2) == pytest.approx(prof.disk_bw / missing)
     # no resident set beats it
     rng = random.Random(5)
     for _ in range(20):
@@ -174,7 +183,11 @@ def test_breakdown_adds_up(model):
         assert s.read_end - s.read_start == pytest.approx(s.stage.read_s)
         assert s.compute_end - s.compute_start == pytest.approx(s.stage.compute_s)
         assert s.compute_start >= s.read_end - 1e-12 and s.stall_s >= 0
-    assert p.compute_s == pytest.approx(costmodel.compute_seconds(model, prof))
+    # the streamed token_embd's row is read when compute needs it: its read is compute's time
+    embd = next(t for t in model.tensors if t.kind == "token_embd")
+    row_read = prof.read_seconds(costmodel.row_bytes(embd), 1, 1)
+    assert p.stages[0].stage.name == "token_embd" and p.stages[0].stage.read_s == 0
+    assert p.compute_s == pytest.approx(costmodel.compute_seconds(model, prof) + row_read)
     assert p.stages[-1].compute_end == pytest.approx(p.seconds_per_token)
 
 

@@ -81,7 +81,11 @@ def test_small_tensors_are_the_norms_biases_and_the_gqa_kv(eight, qwen):
 
 
 def test_token_embd_and_output_stay_unless_forced_and_token_embd_goes_first(qwen):
+    """The shared rule (the baselines): both stay while they fit with everything else streamed, token_embd goes
+    first. Ours streams token_embd (read by rows: a row a token) whenever something streams: its bytes buy more
+    of the layers than the one small read a token costs."""
     prof, window = measured_like(qwen, 11.4), 3
+    pipe = Pipeline(qwen, prof, 4)
     small = always_resident(qwen)
     both = small | {"token_embd.weight", "output.weight"}
     just_output = small | {"output.weight"}
@@ -89,11 +93,40 @@ def test_token_embd_and_output_stay_unless_forced_and_token_embd_goes_first(qwen
         if name == "none":  # keeps nothing by definition (Prefetch only / Sync Read)
             continue
         r = policy(qwen, memory_for(qwen, both, window), prof, window, 4)
-        assert {"token_embd.weight", "output.weight"} <= r, name
+        if name == "balanced":
+            assert "output.weight" in r and "token_embd.weight" not in r
+            assert pipe.seconds(r, window) < min(pipe.seconds(POLICIES[p](qwen, memory_for(qwen, both, window), prof,
+                                                                          window, 4), window) for p in BASELINES)
+        else:
+            assert {"token_embd.weight", "output.weight"} <= r, name
         r = policy(qwen, memory_for(qwen, both, window) - 1, prof, window, 4)
         assert "output.weight" in r and "token_embd.weight" not in r, name
         r = policy(qwen, memory_for(qwen, just_output, window) - 1, prof, window, 4)
         assert "output.weight" not in r, name
+    # all of it fits: nothing streams, token_embd neither
+    everything = {t.name for t in qwen.tensors}
+    assert POLICIES["balanced"](qwen, qwen.weight_bytes, prof, window, 4) == everything
+
+
+def test_streamed_token_embd_costs_its_rows_not_its_size(qwen):
+    """Read by rows: its window memory is a lookup's pages, a decode pass reads one row of it."""
+    from flexoffload import costmodel, plan as plans
+
+    embd = next(t for t in qwen.tensors if t.name == "token_embd.weight")
+    assert costmodel.reads_rows(qwen, embd) and costmodel.row_bytes(embd) == 1536 // 256 * 144  # Q4_K
+    window = 1
+    everything = {t.name for t in qwen.tensors}
+    assert memory_for(qwen, everything - {embd.name}, window) == qwen.weight_bytes - embd.n_bytes \
+        + costmodel.ROWS_CHUNK * 2 * costmodel.PAGE
+    # the minimum budget no longer holds all of token_embd in the window
+    small = always_resident(qwen)
+    assert minimum_budget(qwen, window) == memory_for(qwen, small, window)
+    assert minimum_budget(qwen, window) < memory_for(qwen, small | {embd.name}, window) - embd.n_bytes // 2
+    plan = make_plan(qwen, memory_for(qwen, small, window) + (200 << 20), "balanced", measured_like(qwen, 11.4),
+                     window=window)
+    assert embd.name in plan.streamed
+    assert plans.streamed_bytes(plan, qwen) == sum(t.n_bytes for t in qwen.tensors
+                                                   if t.name in plan.streamed and t is not embd) + 864
 
 
 def fully_resident_kinds(model, resident):

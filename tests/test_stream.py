@@ -99,25 +99,63 @@ def test_real_model_stream_under_enforced_budget(real_model):
     assert out["timings"]["stream_rereads"] == 0 and out["timings"]["stream_direct"] > 0
 
 
+LONG_PROMPT = " ".join("abcdefghijklmnopqrstuvwxyz") * 3 + " aa ab ac ad"  # > 2 chunks of rows in one ubatch
+
+
 def test_logits_are_bit_exact(streamable_model):
-    """Streamed tensors go through the same kernels on the same bytes: logits equal mmap's to the bit."""
+    """Streamed tensors go through the same kernels on the same bytes: logits equal mmap's to the bit. token_embd
+    streams too, read by rows (a prompt of more than two chunks of rows, then a row a token)."""
     import numpy as np
 
     from flexoffload import engine, plan as plans
     from flexoffload.planners import always_resident
 
     m = load(streamable_model)
-    streamed = [t.name for t in m.tensors if t.name not in always_resident(m)]
+    streamed = [t.name for t in m.tensors if t.name not in always_resident(m) or t.kind == "token_embd"]
     patterns = tuple(plans.override_patterns(streamed, [t.name for t in m.tensors]))
     logits = {}
     for strategy, window in (("mmap", 0), ("stream", 3), ("stream", 0)):
         settings = engine.Settings(n_ctx=512, temp=0.0, strategy=strategy, window=window,
                                    streamed_patterns=patterns if strategy == "stream" else ())
         with engine.Engine(streamable_model, settings) as eng:
-            eng.generate("a b c d", 5)
+            eng.generate(LONG_PROMPT, 5)
             logits[strategy, window] = eng.last_logits()
     assert np.array_equal(logits["mmap", 0], logits["stream", 3])
     assert np.array_equal(logits["mmap", 0], logits["stream", 0])
+
+
+@pytest.mark.parametrize("window", [0, 2])
+def test_streamed_token_embd_reads_only_its_rows(streamable_model, window):
+    """A streamed token_embd is never read whole: each pass reads the rows it looks up (the prompt's distinct
+    tokens, per chunk of 32, then one a token), nothing is read twice, and its pages are not kept."""
+    import ctypes
+
+    from flexoffload import costmodel, engine, plan as plans, stream
+    from flexoffload.planners import always_resident
+
+    m = load(streamable_model)
+    embd = next(t for t in m.tensors if t.kind == "token_embd")
+    ffn = [t for t in m.tensors if t.name not in always_resident(m)]
+    patterns = tuple(plans.override_patterns([embd.name] + [t.name for t in ffn], [t.name for t in m.tensors]))
+    settings = engine.Settings(n_ctx=512, temp=0.0, strategy="stream", window=window, streamed_patterns=patterns)
+    with engine.Engine(streamable_model, settings) as eng:
+        prompt = eng.tokenize(LONG_PROMPT)
+        out = eng.generate(LONG_PROMPT, 6)
+        outside = stream.LayerStats()  # the tensors outside the layers: token_embd alone here
+        assert stream.api().llama_stream_get_layer_stats(-1, ctypes.byref(outside))
+    t = out.timings
+    chunks = [prompt[i:i + costmodel.ROWS_CHUNK] for i in range(0, len(prompt), costmodel.ROWS_CHUNK)]
+    rows = sum(len(set(c)) for c in chunks) + out.n_gen - 1
+    passes = 1 + out.n_gen - 1
+    per_pass = sum(x.n_bytes for x in ffn)
+    assert len(chunks) >= 3 and t["stream_passes"] == passes and t["stream_rereads"] == 0
+    assert outside.bytes_read == rows * costmodel.row_bytes(embd)
+    if window == 0:
+        assert t["stream_bytes_read"] == passes * per_pass + rows * costmodel.row_bytes(embd)
+    else:  # the prefetcher may already be reading the next pass's first layers when the run ends
+        assert passes * per_pass <= t["stream_bytes_read"] - rows * costmodel.row_bytes(embd) < (passes + 1) * per_pass
+    # the window holds FFN tensors, never token_embd's 216 KiB (its row pages come and go within a lookup)
+    assert t["stream_committed_peak"] < (window + 1) * 3 * max(x.n_bytes for x in ffn) + embd.n_bytes // 2
 
 
 # Loads a copy of the model streaming, generates, truncates the file just past the start of the tensor data
@@ -131,7 +169,7 @@ from flexoffload.planners import always_resident
 src, path, window = sys.argv[1], sys.argv[2], int(sys.argv[3])
 shutil.copyfile(src, path)
 m = load(path)
-streamed = [t.name for t in m.tensors if t.name not in always_resident(m)]
+streamed = [t.name for t in m.tensors if t.name not in always_resident(m) or t.kind == "token_embd"]
 patterns = tuple(plans.override_patterns(streamed, [t.name for t in m.tensors]))
 settings = engine.Settings(n_ctx=512, temp=0.0, strategy="stream", window=window, streamed_patterns=patterns)
 out = {"streamed": streamed}

@@ -11,11 +11,13 @@ Rules shared by all policies (`base`):
 - Small tensors (norms, biases, anything under SMALL_BYTES) are always resident: together they are about 1% of a
   model, and streaming each would cost a read request per token for almost no bytes (HyperGen's size-aware
   caching). A capacity below them and the window of streaming all else is an error (see `minimum_budget`).
-- The tensors outside the layers (token_embd, output) stay resident unless the capacity cannot hold them. Each is
-  one large lump in the pipeline needing a window buffer as big as itself: streaming one frees its bytes but takes
-  most of them back in window, and its read cannot be spread over layers. When one must give way, token_embd
-  streams first: it is the smaller, so its buffer is; and it is read whole although decode only looks up one row
-  (get_rows), which a row-granular read in the runtime could later make almost free.
+- The tensors outside the layers (token_embd, output) stay resident unless the capacity cannot hold them. The
+  output matrix is one large lump in the pipeline needing a window buffer as big as itself: streaming it frees its
+  bytes but takes most of them back in window, and its read cannot be spread over layers. When one must give way,
+  token_embd streams first: the runtime reads only the rows a pass looks up (get_rows: a row per decoded token,
+  into the pages of a few rows; costmodel.reads_rows), so it costs almost no memory and one small read a token.
+  That makes streaming it worth it whenever anything streams: `balanced` weighs that too (the baselines keep the
+  shared rule).
 """
 
 from __future__ import annotations
@@ -58,12 +60,14 @@ class Ledger:
     """
 
     def __init__(self, model: Model, resident: set[str], capacity: int, window: int):
-        stages = Pipeline(model).stages(resident)
+        pipe = Pipeline(model)
+        stages = pipe.stages(resident)
         index = {s.name: i for i, s in enumerate(stages)}
         self.stage = {t.name: index[f"blk.{t.layer}"] for t in model.tensors if t.layer is not None}
         self.streamed = [s.streamed_bytes for s in stages]  # per stage
         self.resident = set(resident)
-        self.used = sum(t.n_bytes for t in model.tensors if t.name in resident)
+        # resident bytes, and the pages of the rows a streamed token_embd reads (fixed: only layer tensors are added)
+        self.used = sum(t.n_bytes for t in model.tensors if t.name in resident) + pipe.rows_memory(resident)
         self.capacity, self.window = capacity, window
         self.window_bytes = window_bytes_of(self.streamed, window)  # an upper bound while not fresh
         self._fresh, self._window_stages = True, None
