@@ -55,16 +55,33 @@ def format_size(n: int) -> str:
 # tests/test_budget.py::test_runtime_overhead_covers_a_real_run, which checks it stays an upper bound.
 RUNTIME_OVERHEAD = 64 * MiB
 
+# Each loaded model's vocabulary in llama.cpp's heap (token texts, the token map, BPE merges): measured with
+# vocab_only loads as 42 and 47 MiB for the 151936 tokens of Qwen2.5 (2026-11-22); the tiny model above has ~300.
+VOCAB_BYTES_PER_TOKEN = 320
 
-def compute_buffer_bytes(model, n_ctx: int, n_batch: int) -> int:
-    """llama.cpp's CPU compute buffer for a ubatch of n_batch tokens with one output.
+
+def overhead_bytes(model) -> int:
+    """The runtime and the model's vocabulary: what a run takes beside weights, KV cache and compute buffers."""
+    return RUNTIME_OVERHEAD + VOCAB_BYTES_PER_TOKEN * model.n_vocab
+
+
+def compute_buffer_bytes(model, n_ctx: int, n_batch: int, n_outputs: int = 1) -> int:
+    """llama.cpp's CPU compute buffer for a ubatch of n_batch tokens with n_outputs rows of logits.
 
     Fitted to what llama.cpp reserves (its log's "compute buffer size") for the qwen2 and llama graphs:
     per token of the ubatch, the FFN's three n_ff-wide activations and about four n_embd-wide ones in
-    f32, plus the f16 attention mask over the context; plus one row of logits.
+    f32, plus the f16 attention mask over the context; plus one row of logits. Each further output row
+    costs its logits twice: in the graph and in the context's output buffer.
     """
     n_ctx = -(-n_ctx // 256) * 256  # llama.cpp pads the context to 256
-    return n_batch * (4 * (3 * model.n_ff + 4 * model.n_embd) + 2 * n_ctx) + 4 * model.n_vocab
+    return n_batch * (4 * (3 * model.n_ff + 4 * model.n_embd) + 2 * n_ctx) + 4 * model.n_vocab * (2 * n_outputs - 1)
+
+
+def resident_bytes(model, n_ctx: int, n_batch: int, n_outputs: int = 1) -> int:
+    """What a model kept whole in memory takes beside the runtime (a draft model): weights, vocabulary, KV cache
+    and compute buffers."""
+    return (model.weight_bytes + VOCAB_BYTES_PER_TOKEN * model.n_vocab + model.kv_cache_bytes(n_ctx)
+            + compute_buffer_bytes(model, n_ctx, n_batch, n_outputs))
 
 
 def minimum(model, n_ctx: int, n_batch: int) -> int:
@@ -74,7 +91,7 @@ def minimum(model, n_ctx: int, n_batch: int) -> int:
     weights while the layer computes; below that every page faults in more than once per token.
     """
     largest_layer = max((model.layer_bytes(i) for i in range(model.n_layer)), default=0)
-    return RUNTIME_OVERHEAD + model.kv_cache_bytes(n_ctx) + compute_buffer_bytes(model, n_ctx, n_batch) + largest_layer
+    return overhead_bytes(model) + model.kv_cache_bytes(n_ctx) + compute_buffer_bytes(model, n_ctx, n_batch) + largest_layer
 
 
 def check(model, budget: int, n_ctx: int, n_batch: int) -> None:

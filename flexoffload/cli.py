@@ -74,10 +74,12 @@ def _report(result: dict, as_json: bool) -> None:
 
 
 def plan_for_run(model, strategy: str, policy: str, plan_dir: str | None, budget: int | None, n_ctx: int,
-                 n_batch: int, n_threads: int, window: int | None, io_threads: int):
+                 n_batch: int, n_threads: int, window: int | None, io_threads: int, n_outputs: int = 1,
+                 draft: int = 0):
     """The plan a run streams by, or None for mmap (and for `stream` with neither budget nor plan: all resident).
 
-    prefetch and sync stream every tensor but the small ones (policy none), with window 3 and 0.
+    prefetch and sync stream every tensor but the small ones (policy none), with window 3 and 0. draft: the bytes a
+    resident draft model takes out of the budget.
     """
     from . import plan as plans
     from . import profile as profiler
@@ -85,7 +87,7 @@ def plan_for_run(model, strategy: str, policy: str, plan_dir: str | None, budget
 
     if strategy == "mmap":
         if budget is not None:
-            budgets.check(model, budget, n_ctx, n_batch)
+            budgets.check(model, budget - draft, n_ctx, n_batch)
         return None
     if plan_dir:
         return plans.read(plan_dir)
@@ -95,7 +97,7 @@ def plan_for_run(model, strategy: str, policy: str, plan_dir: str | None, budget
         return None
     return plan_budget(model, budget if budget is not None else 4 * model.file_size + (1 << 30), policy,
                        profiler.measure(model, n_threads), n_ctx=n_ctx, n_batch=n_batch, window=window,
-                       io_threads=io_threads)
+                       io_threads=io_threads, n_outputs=n_outputs, draft=draft)
 
 
 @main.command()
@@ -117,13 +119,24 @@ def plan_for_run(model, strategy: str, policy: str, plan_dir: str | None, budget
 @click.option("--plan", "plan_dir", type=click.Path(file_okay=False), help="stream by a saved plan (flexoffload plan)")
 @click.option("--window", type=int, default=None, help="prefetch window in layers [default: the plan's]")
 @click.option("--io-threads", default=4, show_default=True)
+@click.option("-md", "--model-draft", "draft_spec", metavar="MODEL",
+              help="a draft model kept resident: token-tree speculation (same vocabulary as the target)")
+@click.option("--draft-max", type=int, default=None,
+              help="node budget of a speculation tree [default: from the measured target pass and draft token]")
+@click.option("--draft-p-split", default=0.3, show_default=True, help="a draft candidate this likely opens a branch")
+@click.option("--spec", "spec_mode", type=click.Choice(["tree", "chain"]), default="tree", show_default=True,
+              help="speculation shape: a token tree, or a linear chain")
+@click.option("--no-pacer", is_flag=True, help="grow branches in turn, not by confidence (ablation)")
+@click.option("--no-adaptive", is_flag=True, help="verify only at the node budget, not on low confidence (ablation)")
+@click.option("--no-pipeline", is_flag=True, help="do not draft while the target verifies (ablation)")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object instead of text and timings")
 @click.option("-v", "--verbose", is_flag=True, help="show llama.cpp's log")
 @click.option("--result-file", hidden=True, help="(internal) write the result here instead of reporting it")
 @_errors_as_one_line
 def run(model_spec, prompt, prompt_file, n_predict, ctx_size, batch_size, threads, temp, seed, mem, enforce,
-        strategy, policy, plan_dir, window, io_threads, as_json, verbose, result_file):
-    """Generate text from a prompt."""
+        strategy, policy, plan_dir, window, io_threads, draft_spec, draft_max, draft_p_split, spec_mode, no_pacer,
+        no_adaptive, no_pipeline, as_json, verbose, result_file):
+    """Generate text from a prompt (with -md: speculation by a resident draft model)."""
     from . import engine
     from . import plan as plans
     from .model import load
@@ -139,7 +152,22 @@ def run(model_spec, prompt, prompt_file, n_predict, ctx_size, batch_size, thread
     limit = budgets.parse_size(mem, model.file_size) if mem else None
     if enforce and limit is None:
         raise FlexoffloadError("--enforce needs a budget: add --mem SIZE")
-    plan = plan_for_run(model, strategy, policy, plan_dir, limit, ctx_size, batch_size, threads, window, io_threads)
+    draft_model, draft_bytes, spec, n_outputs = None, 0, None, 1
+    if draft_spec:
+        from . import speculate
+
+        if draft_max is not None and not 2 <= draft_max <= speculate.MAX_NODES:
+            raise FlexoffloadError(f"--draft-max must be between 2 and {speculate.MAX_NODES}")
+        if not 0 < draft_p_split <= 1:
+            raise FlexoffloadError("--draft-p-split must be in (0, 1]")
+        draft_model = load(catalog.resolve(draft_spec))
+        draft_bytes = budgets.resident_bytes(draft_model, ctx_size, batch_size, speculate.MAX_BRANCHES)
+        spec = speculate.Options(tree=spec_mode == "tree", pacer=not no_pacer, adaptive=not no_adaptive,
+                                 pipeline=not no_pipeline, threshold=draft_p_split, max_nodes=draft_max)
+        # a logits row per tree node (the node budget is memory), and llama.cpp keeps one per sequence
+        n_outputs = max(draft_max or speculate.MAX_NODES, speculate.MAX_BRANCHES + 1)
+    plan = plan_for_run(model, strategy, policy, plan_dir, limit, ctx_size, batch_size, threads, window, io_threads,
+                        n_outputs, draft_bytes)
 
     if enforce and result_file is None:
         cgroup = budgets.enforce_or_warn(limit, lambda msg: click.echo(msg, err=True))
@@ -151,6 +179,11 @@ def run(model_spec, prompt, prompt_file, n_predict, ctx_size, batch_size, thread
             args += ["--window", str(window)] if window is not None else []
             args += ["--json"] if as_json else []
             args += ["--verbose"] if verbose else []
+            if draft_model:
+                args += ["-md", str(draft_model.path), "--draft-p-split", str(draft_p_split), "--spec", spec_mode]
+                args += ["--draft-max", str(draft_max)] if draft_max is not None else []
+                args += [flag for flag, on in (("--no-pacer", no_pacer), ("--no-adaptive", no_adaptive),
+                                               ("--no-pipeline", no_pipeline)) if on]
             with cgroup:
                 result = run_in_cgroup(cgroup, args)
             result["budget_mb"] = limit / MiB
@@ -164,8 +197,12 @@ def run(model_spec, prompt, prompt_file, n_predict, ctx_size, batch_size, thread
         window=(window if window is not None else plan.window) if plan else 0,
         io_threads=plan.io_threads if plan else io_threads, verbose=verbose)
     on_text = None if as_json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
-    with engine.Engine(path, settings) as eng:
-        result = eng.generate(prompt_text, n_predict, on_text).to_dict()
+    if spec:
+        result = speculate.run(path, settings, draft_model.path, spec, prompt_text, n_predict, on_text).to_dict()
+        result["draft"] = {"path": str(draft_model.path), "resident_mb": draft_bytes / MiB}
+    else:
+        with engine.Engine(path, settings) as eng:
+            result = eng.generate(prompt_text, n_predict, on_text).to_dict()
     result.update(peak_mem_mb=budgets.peak_rss() / MiB, peak_source="rss", enforced=False,
                   budget_mb=limit / MiB if limit else None,
                   model={"path": str(path), "size": model.file_size, "name": model.name})

@@ -67,17 +67,23 @@ def _tensor_plan(s: Shape) -> list[tuple[str, tuple[int, int] | tuple[int]]]:
     return plan
 
 
-def _q4_0(rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+def _q4_0(rows: int, cols: int, rng: np.random.Generator, scale: float = 1.0) -> np.ndarray:
     """Random Q4_0 blocks (f16 scale + 16 bytes of nibbles per 32 weights) with small, finite scales."""
     n_blocks = rows * cols // 32
     blocks = np.empty((n_blocks, 18), dtype=np.uint8)
-    blocks[:, :2] = rng.uniform(0.002, 0.02, n_blocks).astype(np.float16).view(np.uint8).reshape(-1, 2)
+    scales = rng.uniform(0.002, 0.02, n_blocks) * scale
+    blocks[:, :2] = scales.astype(np.float16).view(np.uint8).reshape(-1, 2)
     blocks[:, 2:] = rng.integers(0, 256, (n_blocks, 16), dtype=np.uint8)
     return blocks.reshape(rows, cols // 32 * 18)
 
 
-def write(path: str | Path, shape: Shape = TINY, qtype: str = "Q4_0", seed: int = 0) -> Path:
-    """Write a llama-shaped GGUF at path. qtype: Q4_0 or F32 for the 2-D weights; norms are F32."""
+def write(path: str | Path, shape: Shape = TINY, qtype: str = "Q4_0", seed: int = 0,
+          output_seed: int | None = None, output_scale: float = 1.0) -> Path:
+    """Write a llama-shaped GGUF at path. qtype: Q4_0 or F32 for the 2-D weights; norms are F32.
+
+    output_seed: draw the output matrix from its own seed, so that a model with fewer layers from the same seeds
+    shares embeddings, first layers and output with a deeper one (a draft that often agrees with its target).
+    output_scale: multiplies the output matrix, so logits spread and the next token is not near uniform."""
     import gguf
 
     if qtype not in ("Q4_0", "F32"):
@@ -120,10 +126,11 @@ def write(path: str | Path, shape: Shape = TINY, qtype: str = "Q4_0", seed: int 
     for name, dims in plan:
         if len(dims) == 1:
             data = np.ones(dims, dtype=np.float32)
-        elif qtype == "F32":
-            data = rng.normal(0, 0.05, dims).astype(np.float32)
         else:
-            data = _q4_0(dims[0], dims[1], rng)
+            r = np.random.default_rng(output_seed) if name == "output.weight" and output_seed is not None else rng
+            scale = output_scale if name == "output.weight" else 1.0
+            data = (r.normal(0, 0.05 * scale, dims).astype(np.float32) if qtype == "F32"
+                    else _q4_0(dims[0], dims[1], r, scale))
         if name == "output.weight":  # zero logits for <unk>, <s>, </s> and bytes: the noise is whole pieces
             data[:259] = 0
         w.write_tensor_data(data)

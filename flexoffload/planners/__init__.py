@@ -218,13 +218,16 @@ def make_plan(model: Model, budget: int, policy: str, profile: Profile, window: 
 
 
 def plan_budget(model: Model, budget: int, policy: str, profile: Profile, n_ctx: int, n_batch: int,
-                window: int | None = None, io_threads: int = DEFAULT_IO_THREADS) -> Plan:
-    """make_plan with the KV cache, compute buffers and runtime overhead of a run at n_ctx and n_batch."""
-    from ..budget import RUNTIME_OVERHEAD, compute_buffer_bytes
+                window: int | None = None, io_threads: int = DEFAULT_IO_THREADS, n_outputs: int = 1,
+                draft: int = 0) -> Plan:
+    """make_plan with the KV cache, compute buffers and runtime overhead of a run at n_ctx and n_batch; draft is
+    what a resident draft model takes (budget.resident_bytes), counted with the overhead."""
+    from ..budget import compute_buffer_bytes, overhead_bytes
 
     return make_plan(model, budget, policy, profile, window=window, io_threads=io_threads,
-                     kv_cache=model.kv_cache_bytes(n_ctx), compute=compute_buffer_bytes(model, n_ctx, n_batch),
-                     overhead=RUNTIME_OVERHEAD)
+                     kv_cache=model.kv_cache_bytes(n_ctx),
+                     compute=compute_buffer_bytes(model, n_ctx, n_batch, n_outputs),
+                     overhead=overhead_bytes(model) + draft)
 
 
 def stream_all(model: Model, capacity: int, profile: Profile, window: int, io_threads: int) -> set[str]:

@@ -1,0 +1,202 @@
+"""Token-tree speculation: the pacer and the fallback threshold, and losslessness: greedy output equal to the target
+alone, sampled output distributed as the target's."""
+
+import json
+import math
+from collections import Counter
+from dataclasses import replace
+
+import pytest
+
+from flexoffload import engine, models, speculate, synth
+from flexoffload.speculate import Branch, Node, Options
+
+from conftest import cli
+
+ALL_OPTIONS = {
+    "tree": Options(),
+    "chain": Options(tree=False),
+    "no-pacer": Options(pacer=False),
+    "no-adaptive": Options(adaptive=False, max_nodes=12),
+    "no-pipeline": Options(pipeline=False),
+}
+
+
+def _branch(conf: float, length: int, done: bool = False) -> Branch:
+    leaf = Node(1, None, 10 + length, conf, conf)
+    return Branch(0, leaf, length, done)
+
+
+def test_pacer_gives_the_next_token_to_the_branch_furthest_below_its_share():
+    # f(x) = M * C_x / sum(C) - T_x with C = 0.6 and 0.2: shares of M are 3/4 and 1/4
+    assert speculate.pace([_branch(0.6, 2), doubtful := _branch(0.2, 1)], 4) is not doubtful  # 1 against 0
+    assert speculate.pace([_branch(0.6, 4), doubtful := _branch(0.2, 0)], 4) is doubtful  # -1 against 1
+    assert speculate.pace([confident := _branch(0.6, 3), _branch(0.2, 1)], 8) is confident  # 3 against 1
+    assert speculate.pace([_branch(0.6, 7), doubtful := _branch(0.2, 0)], 8) is doubtful  # -1 against 2
+    assert speculate.pace([_branch(0.9, 0, done=True)], 4) is None
+
+
+def test_round_robin_grows_the_shortest():
+    a, b = _branch(0.9, 3), _branch(0.1, 2)
+    assert speculate.round_robin([a, b]) is b
+    assert speculate.round_robin([_branch(0.9, 0, done=True)]) is None
+
+
+def test_alpha_halves_when_all_correct_and_is_the_error_fraction_otherwise():
+    assert speculate.next_alpha(0.01, 5, 5) == pytest.approx(0.005)
+    assert speculate.next_alpha(0.01, 3, 4) == pytest.approx(0.25)
+    assert speculate.next_alpha(0.5, 0, 2) == pytest.approx(1.0)
+
+
+def test_path_from_walks_down_from_the_top():
+    root = Node(1, None, 5, 1.0, 1.0)
+    a = Node(2, root, 6, 0.5, 0.5)
+    b = Node(3, a, 7, 0.5, 0.25)
+    assert [n.token for n in b.path_from(root)] == [1, 2, 3]
+    assert b.path_from(b) == [b]
+
+
+# --- on the native library --------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_pair(tmp_path_factory):
+    """A synthetic target with peaked next-token distributions, and drafts with its vocabulary: the target itself
+    (it agrees at every node: long accepted paths, branches where a second candidate is likely) and its first two
+    layers under the same embeddings and output (it mostly disagrees: rejections)."""
+    d = tmp_path_factory.mktemp("spec")
+    target = synth.write(d / "target.gguf", seed=3, output_seed=4, output_scale=10)
+    shallow = synth.write(d / "draft.gguf", shape=replace(synth.TINY, n_layer=2), seed=3, output_seed=4,
+                          output_scale=10)
+    return target, {"same": target, "shallow": shallow}
+
+
+def _alone(path, settings, prompt, n):
+    with engine.Engine(path, settings) as e:
+        return e.generate(prompt, n)
+
+
+@pytest.mark.parametrize("name", list(ALL_OPTIONS))
+@pytest.mark.parametrize("strategy", ["mmap", "prefetch"])
+@pytest.mark.parametrize("which", ["same", "shallow"])
+def test_greedy_tree_output_equals_the_target_alone(tiny_pair, name, strategy, which):
+    target, draft = tiny_pair[0], tiny_pair[1][which]
+    streamed = (r"blk\..*",) if strategy == "prefetch" else ()
+    settings = engine.Settings(n_ctx=256, n_batch=64, temp=0.0, strategy=strategy, streamed_patterns=streamed,
+                               window=1 if streamed else 0)
+    for prompt in ("hello world", "abc abc abc", "The quick brown fox"):
+        ref = _alone(target, settings, prompt, 40)
+        got = speculate.run(target, settings, draft, ALL_OPTIONS[name], prompt, 40)
+        assert got.tokens == ref.tokens, (name, strategy, prompt)
+        assert got.text == ref.text
+        t = got.timings
+        assert t["n_verify"] >= 1 and t["n_drafted"] >= t["n_accepted"] >= 0
+        assert t["tokens_per_pass"] == pytest.approx(len(got.tokens) / t["n_verify"])
+        if name == "chain":
+            assert t["tree_size_max"] <= speculate.MAX_NODES
+        if strategy == "prefetch":  # one pass over the streamed weights per verification, none read twice
+            assert t["stream_rereads"] == 0
+            assert t["stream_passes"] == t["n_verify"] + 1  # + the prompt
+
+
+def test_trees_branch_and_the_draft_is_accepted(tiny_pair):
+    target, draft = tiny_pair[0], tiny_pair[1]["same"]
+    settings = engine.Settings(n_ctx=256, n_batch=64, temp=0.0, strategy="mmap")
+    got = speculate.run(target, settings, draft, Options(threshold=0.01), "hello world", 40)
+    t = got.timings
+    assert t["n_accepted"] > len(got.tokens) // 2  # fewer target passes than tokens
+    assert t["tokens_per_pass"] > 2
+    assert t["tree_size_max"] > t["n_accepted"] / t["n_verify"] + 1  # more nodes than the accepted path: branches
+
+
+def _chi2_homogeneity(a: Counter, b: Counter) -> tuple[float, int]:
+    """Pearson's chi-square statistic that two samples come from one distribution, and its degrees of freedom
+    (rare categories pooled so every expected count is at least 5)."""
+    n_a, n_b = sum(a.values()), sum(b.values())
+    keys = sorted(set(a) | set(b), key=lambda k: -(a[k] + b[k]))
+    cells, rest = [], [0, 0]
+    for k in keys:
+        if (a[k] + b[k]) * min(n_a, n_b) / (n_a + n_b) >= 5:
+            cells.append((a[k], b[k]))
+        else:
+            rest[0] += a[k]
+            rest[1] += b[k]
+    if sum(rest):
+        cells.append(tuple(rest))
+    stat = 0.0
+    for x, y in cells:
+        total = x + y
+        for obs, n in ((x, n_a), (y, n_b)):
+            exp = total * n / (n_a + n_b)
+            stat += (obs - exp) ** 2 / exp
+    return stat, len(cells) - 1
+
+
+def _chi2_critical(df: int, z: float = 3.09) -> float:
+    """The chi-square quantile at a normal quantile z (3.09: p = 0.001), by Wilson and Hilferty."""
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+def test_sampled_tree_output_is_distributed_as_the_target(tiny_pair):
+    """At temperature 1 the first three tokens of 400 speculative runs and 400 target runs (different seeds) pass
+    a chi-square homogeneity test; a walk that kept the draft's token where the target disagreed would not."""
+    target, draft = tiny_pair[0], tiny_pair[1]["same"]
+    base = engine.Settings(n_ctx=128, n_batch=64, temp=1.0, strategy="mmap")
+    n = 400
+    spec, alone = Counter(), Counter()
+    with engine.Engine(draft, speculate.draft_settings(base)) as d, \
+            engine.Engine(target, speculate.target_settings(base)) as t:
+        s = speculate.Speculator(t, d, Options(threshold=0.05))
+        accepted = 0
+        for seed in range(n):
+            t.settings.seed = seed
+            r = s.generate("hello", 3)
+            spec[tuple(r.tokens)] += 1
+            accepted += r.timings["n_accepted"]
+    assert accepted > n // 4  # the walk does descend into the tree
+    with engine.Engine(target, base) as t:
+        for seed in range(n):
+            t.settings.seed = 10_000 + seed
+            alone[tuple(t.generate("hello", 3).tokens)] += 1
+    stat, df = _chi2_homogeneity(spec, alone)
+    assert df >= 3
+    assert stat < _chi2_critical(df), (stat, df)
+
+
+# --- the real models --------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def draft_model():
+    entry = models.CATALOG["qwen2.5-coder-0.5b-instruct"]
+    if not models.is_present(entry):
+        pytest.fail(f"{entry.name} is not fetched: run `flexoffload models fetch` (make test does)")
+    return models.model_path(entry)
+
+
+PROMPTS = (
+    'def is_palindrome(s: str) -> bool:\n    """Return True if s reads the same backwards."""\n',
+    "from typing import List\n\n\ndef mean(xs: List[float]) -> float:\n",
+)
+
+
+@pytest.mark.integration
+def test_real_greedy_speculation_equals_the_target_streaming_alone(real_model, draft_model):
+    for prompt in PROMPTS:
+        common = ["-m", str(real_model), "-p", prompt, "-n", "40", "-c", "512", "-b", "64", "--temp", "0",
+                  "--mem", "1.0x", "--json"]
+        alone = json.loads(cli("run", *common, check=True).stdout)
+        tree = json.loads(cli("run", *common, "-md", str(draft_model), check=True).stdout)
+        assert tree["tokens"] == alone["tokens"]
+        assert tree["strategy"] == "stream+tree"
+        t = tree["timings"]
+        for key in ("tokens_per_pass", "acceptance_rate", "tree_size_mean", "n_verify", "draft_s",
+                    "target_compute_s", "io_stall_s"):
+            assert key in t
+        assert t["tokens_per_pass"] > 1.5  # the 0.5B agrees with the 1.5B on code most of the time
+        assert tree["draft"]["resident_mb"] > 400
+
+
+@pytest.mark.integration
+def test_real_speculation_refuses_a_budget_the_draft_leaves_too_little_of(real_model, draft_model):
+    r = cli("run", "-m", str(real_model), "-md", str(draft_model), "-p", "x", "--mem", "0.5x")
+    assert r.returncode != 0
+    assert "minimum" in r.stderr and "Traceback" not in r.stderr
