@@ -268,10 +268,17 @@ class Speculator:
         rc = []
         t0 = time.perf_counter()
         if self.options.pipeline:
+            # the draft gets one thread less while the target's pass runs: ggml's threads spin at barriers, and
+            # more compute threads than cores stall both models
+            d = self.draft.settings.n_threads
+            lib.llama_set_n_threads(self.draft.ctx, max(1, d - 1), max(1, d - 1))
             worker = threading.Thread(target=lambda: rc.append(lib.llama_decode(t.ctx, self._tbatch.batch)))
             worker.start()
-            self._draft_during(worker)
-            worker.join()
+            try:
+                self._draft_during(worker)
+            finally:
+                worker.join()
+                lib.llama_set_n_threads(self.draft.ctx, d, d)
         else:
             rc.append(lib.llama_decode(t.ctx, self._tbatch.batch))
         t_pass = time.perf_counter() - t0
@@ -445,15 +452,16 @@ class Speculator:
 
         try:
             t_start = time.perf_counter()
-            for i in range(0, len(prompt_tokens), t.n_batch):  # the target's prompt pass gives the first token
+            self.backlog = []
+            if len(prompt_tokens) > 1:  # both models read the prompt before the first token
+                self._draft_decode(prompt_tokens[:-1], 0, 0)
+            self.backlog = [prompt_tokens[-1]]
+            for i in range(0, len(prompt_tokens), t.n_batch):  # the target's prompt passes give the first token
+                t_pass = time.perf_counter()
                 t._decode(prompt_tokens[i:i + t.n_batch])
             first = lib.llama_sampler_sample(self.sampler, t.ctx, -1)
             t_first = time.perf_counter()
-            self.t_pass = t_first - t_start if len(prompt_tokens) <= t.n_batch else None
-            self.backlog = []
-            if len(prompt_tokens) > 1:
-                self._draft_decode(prompt_tokens[:-1], 0, 0)
-            self.backlog = [prompt_tokens[-1]]
+            self.t_pass = t_first - t_pass  # a pass over the target's weights, to size the first tree
             self.free_seqs = list(range(self.n_seq - 1, 0, -1))
             self._new_tree(Node(first, None, len(prompt_tokens), 1.0, 1.0))
             if lib.llama_vocab_is_eog(t.vocab, first):
