@@ -403,3 +403,24 @@ def models_fetch(names):
             raise FlexoffloadError(f"unknown model '{name}': one of {', '.join(catalog.CATALOG)}")
         path = catalog.fetch(catalog.CATALOG[name])
         click.echo(f"{name}: {path}")
+
+
+@models.command("synth")
+@click.argument("shape", type=click.Choice(["tiny", "llama2-7b"]))
+@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="where to write the GGUF")
+@click.option("--qtype", type=click.Choice(["Q4_0", "F32"]), default="Q4_0", show_default=True)
+@click.option("--seed", default=0, show_default=True)
+@_errors_as_one_line
+def models_synth(shape, output, qtype, seed):
+    """Write a synthetic GGUF with random weights and a real shape (its text is noise, its timing is real)."""
+    from . import synth
+
+    target = Path(output)
+    tmp = target.with_name(target.name + ".part")
+    try:
+        synth.write(tmp, {"tiny": synth.TINY, "llama2-7b": synth.LLAMA2_7B}[shape], qtype, seed)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise FlexoffloadError(f"cannot write {output}: {e.strerror}") from None
+    tmp.replace(target)  # whole or not at all
+    click.echo(f"{shape}: {target} ({format_size(target.stat().st_size)})")

@@ -130,3 +130,18 @@ def test_profile_and_plan(tiny_model, tmp_path):
     assert_one_line_error(cli("plan", "-m", str(tiny_model), "--mem", "1M", "-o", str(out)), "minimum")
     assert_one_line_error(cli("plan", "-m", str(tiny_model), "--mem", "400M", "--policy", "magic", "-o", str(out)),
                           "unknown policy")
+
+
+def test_models_synth_writes_a_model_that_runs(tmp_path):
+    out = tmp_path / "tiny.gguf"
+    r = cli("models", "synth", "tiny", "-o", str(out), check=True)
+    assert str(out) in r.stdout and not out.with_name("tiny.gguf.part").exists()
+    info = json.loads(cli("info", "-m", str(out), "--json", check=True).stdout)
+    assert info["n_layer"] == 3
+    run = json.loads(cli("run", "-m", str(out), "-p", "hello", "-n", "4", "--temp", "0", "--json", check=True).stdout)
+    assert run["n_gen"] == 4
+
+
+def test_models_synth_refuses_an_unwritable_path(tmp_path):
+    r = cli("models", "synth", "tiny", "-o", str(tmp_path / "missing" / "x.gguf"))
+    assert r.returncode != 0 and "cannot write" in r.stderr and "Traceback" not in r.stderr
