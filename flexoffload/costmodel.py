@@ -19,8 +19,13 @@ rows a pass looks up, synchronously when compute needs them, into pages it gives
 Its stage then has no prefetch read and no window buffer: the row's read is part of its compute, and its memory
 is the pages of ROWS_CHUNK rows, counted beside the window (`rows_memory`).
 
+A streamed tensor larger than CHUNK_BYTES (the output matrix: 183 MiB on the 1.5B) is read in row chunks, each its
+own read request into its own buffer, given back as soon as the matrix multiplication is done with it (patch 0007):
+it holds CHUNKS_IN_FLIGHT chunks of buffer at a time, not itself (`held_bytes`), while a pass still reads all of it.
+A stage's window share is what its tensors hold (`Stage.held_bytes`), its read what they weigh.
+
 Simplifications: a stage computes only once all its tensors are in (the runtime waits per tensor, so it can start
-a little earlier); reads are bandwidth plus per-request latency, without seek or jitter; compute does not depend
+a little earlier; a chunked tensor's chunks compute as they arrive, so most of its read overlaps its own compute); reads are bandwidth plus per-request latency, without seek or jitter; compute does not depend
 on whether a weight was streamed.
 """
 
@@ -40,11 +45,50 @@ MATMUL_KINDS = frozenset({"attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate
 ROWS_CHUNK = 32
 PAGE = 4096
 
+# A streamed tensor larger than this is read in row chunks of at most this many bytes (`chunk_rows`), and holds at
+# most CHUNKS_IN_FLIGHT of them in the read pool: the runtime's
+# GGML_CPU_STREAMED_CHUNK_BYTES (the default of stream.configure and engine.Settings) and
+# GGML_CPU_STREAMED_CHUNKS_IN_FLIGHT (patch 0007).
+CHUNK_BYTES = 16 << 20
+CHUNKS_IN_FLIGHT = 2
+
 
 def row_bytes(t: Tensor) -> int:
     """Bytes of one row (ggml's ne1 indexes the rows: a token's embedding)."""
     rows = t.shape[-1] if len(t.shape) > 1 else 1
     return t.n_bytes // rows
+
+
+def chunk_rows(t: Tensor, chunk_bytes: int = CHUNK_BYTES) -> int | None:
+    """Rows per chunk the runtime reads t in when it streams, None if it reads t whole (chunking off, t not larger
+    than a chunk, or not 2-D). As the runtime splits: as few chunks of at most chunk_bytes as will do, of about
+    equal size (whole rows; a multiple of 64 when a chunk holds at least 64 rows), the last one the rest."""
+    if chunk_bytes <= 0 or t.n_bytes <= chunk_bytes or len(t.shape) != 2:
+        return None
+    n_rows = t.shape[-1]
+    rows_max = max(1, chunk_bytes // row_bytes(t))
+    if rows_max >= 64:
+        rows_max -= rows_max % 64
+    if rows_max >= n_rows:
+        return None
+    n_chunks = -(-n_rows // rows_max)
+    rows = -(-n_rows // n_chunks)
+    return -(-rows // 64) * 64 if rows_max >= 64 else rows
+
+
+def held_bytes(t: Tensor, chunk_bytes: int = CHUNK_BYTES) -> int:
+    """Read-pool memory t holds at a time when it streams: itself, or CHUNKS_IN_FLIGHT of its chunks (each takes
+    the room of the largest)."""
+    rows = chunk_rows(t, chunk_bytes)
+    if rows is None:
+        return t.n_bytes
+    return min(read_requests(t, chunk_bytes), CHUNKS_IN_FLIGHT) * rows * row_bytes(t)
+
+
+def read_requests(t: Tensor, chunk_bytes: int = CHUNK_BYTES) -> int:
+    """Read requests a pass makes for t when it streams whole or chunked: one a chunk."""
+    rows = chunk_rows(t, chunk_bytes)
+    return 1 if rows is None else -(-t.shape[-1] // rows)
 
 
 def reads_rows(model: Model, t: Tensor) -> bool:
@@ -129,8 +173,14 @@ class Stage:
     name: str  # "token_embd", "blk.3", "output"
     compute_s: float
     read_s: float
-    streamed_bytes: int
+    streamed_bytes: int  # bytes a pass reads for it
     n_streamed: int
+    held_bytes: int | None = None  # read buffers its streamed tensors hold at once (chunked: a few chunks); None:
+    # streamed_bytes
+
+    def __post_init__(self):
+        if self.held_bytes is None:
+            object.__setattr__(self, "held_bytes", self.streamed_bytes)
 
 
 @dataclass(frozen=True)
@@ -227,7 +277,8 @@ class Pipeline:
     Without a profile it still knows the stages and their streamed bytes (what memory accounting needs).
     """
 
-    def __init__(self, model: Model, profile: Profile | None = None, io_threads: int = 1):
+    def __init__(self, model: Model, profile: Profile | None = None, io_threads: int = 1,
+                 chunk_bytes: int = CHUNK_BYTES):
         profile = profile or Profile(disk_bw=1.0)
         if io_threads < 1:
             raise ValueError(f"io_threads must be >= 1, not {io_threads}")
@@ -240,6 +291,10 @@ class Pipeline:
         self.compute = [0.0] + [profile.layer_overhead] * model.n_layer + [profile.token_overhead]
         self.tensors: list[list[Tensor]] = [[] for _ in range(n_groups)]
         self.rows = {t.name: t for t in model.tensors if reads_rows(model, t)}  # read by rows when streamed
+        # read buffers each tensor holds when it streams whole or chunked, and its read requests a pass
+        self.held = {t.name: held_bytes(t, chunk_bytes) for t in model.tensors}
+        self.sizes = {t.name: t.n_bytes for t in model.tensors}
+        self.requests = {t.name: read_requests(t, chunk_bytes) for t in model.tensors}
         for t in model.tensors:
             g = t.layer + 1 if t.layer is not None else (0 if t.kind == "token_embd" else n_groups - 1)
             self.tensors[g].append(t)
@@ -250,11 +305,13 @@ class Pipeline:
         groups = []
         for g, tensors in enumerate(self.tensors):
             streamed = [t for t in tensors if t.name not in resident]
-            whole = [t.n_bytes for t in streamed if t.name not in self.rows]
-            # a row-read tensor: one row per decoded token, read when compute needs it (no prefetch, no window)
+            # whole or chunked; a row-read tensor: one row per decoded token, read when compute needs it (no
+            # prefetch, no window)
+            whole = [t.name for t in streamed if t.name not in self.rows]
             compute = self.compute[g] + sum(self.profile.read_seconds(row_bytes(t), 1, 1)
                                             for t in streamed if t.name in self.rows)
-            groups.append([self.names[g], compute, sum(whole), len(whole), len(streamed)])
+            groups.append([self.names[g], compute, sum(self.sizes[n] for n in whole),
+                           sum(self.requests[n] for n in whole), len(streamed), sum(self.held[n] for n in whole)])
         head, embd = groups[-1], groups[0]
         if head[4] == 0:  # resident head: computed right after the last layer
             groups[-2][1] += head[1]
@@ -262,8 +319,8 @@ class Pipeline:
         if embd[4] == 0:
             groups[1][1] += embd[1]
             groups.pop(0)
-        return [Stage(name, c, self.profile.read_seconds(b, m, self.io_threads), b, n)
-                for name, c, b, m, n in groups]
+        return [Stage(name, c, self.profile.read_seconds(b, m, self.io_threads), b, n, h)
+                for name, c, b, m, n, h in groups]
 
     def predict(self, resident: Collection[str], window: int) -> Prediction:
         return simulate(self.stages(resident), window)
@@ -272,9 +329,10 @@ class Pipeline:
         return self.predict(resident, window).seconds_per_token
 
     def window_bytes(self, resident: Collection[str], window: int) -> int:
-        """Memory for the prefetch buffers: the most streamed bytes of window+1 consecutive stages (wrapping), and
-        the pages of the rows a streamed token_embd reads (rows_memory)."""
-        return window_bytes_of([s.streamed_bytes for s in self.stages(resident)], window) + self.rows_memory(resident)
+        """Memory for the prefetch buffers: the most bytes the streamed tensors of window+1 consecutive stages
+        (wrapping) hold (a chunked tensor: CHUNKS_IN_FLIGHT chunks), and the pages of the rows a streamed token_embd
+        reads (rows_memory)."""
+        return window_bytes_of([s.held_bytes for s in self.stages(resident)], window) + self.rows_memory(resident)
 
     def rows_memory(self, resident: Collection[str]) -> int:
         """Memory of the streamed row-read tensors: a lookup's rows, not the tensor."""

@@ -39,6 +39,7 @@ class Settings:
     streamed_patterns: tuple[str, ...] = ()  # regexes (tensors.ot) of the tensors to stream
     window: int = 3
     io_threads: int = 4
+    chunk_bytes: int = 16 << 20  # streamed tensors larger than this are read in row chunks (stream.DEFAULT_CHUNK_BYTES)
     n_outputs: int = 1  # logits rows one forward pass returns (a speculation tree needs one per node)
     n_seq_max: int = 1  # sequences in the KV cache (a speculation tree: one per branch, in one unified cache)
     verbose: bool = False
@@ -127,7 +128,7 @@ class Engine:
             # streamed ones keep giving their pages back after use. A failed lock is a warning, not an error.
             raise_memlock_limit()
             mparams.load_mode = lib.LLAMA_LOAD_MODE_MLOCK
-            stream.configure(settings.window, settings.io_threads)
+            stream.configure(settings.window, settings.io_threads, chunk_bytes=settings.chunk_bytes)
             buft = stream.buffer_type()
             patterns = [p.encode() for p in settings.streamed_patterns]
             self._overrides = (_Override * (len(patterns) + 1))(*[(p, buft) for p in patterns], (None, None))

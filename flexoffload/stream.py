@@ -1,7 +1,9 @@
-"""ctypes bindings for the streaming runtime's C API (include/llama-stream.h, patches 0002-0005).
+"""ctypes bindings for the streaming runtime's C API (include/llama-stream.h, patches 0002-0007).
 
 The patched libllama streams the tensors given the STREAMED buffer type: I/O threads read the next
 `window` layers' tensors while the current layer computes, and give each tensor's memory back after use.
+A tensor larger than the chunk size (the output matrix) is read in row chunks, each given back as soon as its
+part of the matrix multiplication is done (patch 0007), so it never needs memory as big as itself.
 """
 
 from __future__ import annotations
@@ -13,9 +15,13 @@ from . import FlexoffloadError
 from .native import llama_cpp
 
 
+# the runtime's default chunk size (GGML_CPU_STREAMED_CHUNK_BYTES); costmodel.CHUNK_BYTES plans with it
+DEFAULT_CHUNK_BYTES = 16 << 20
+
+
 class StreamParams(ctypes.Structure):
     _fields_ = [("window", ctypes.c_int32), ("n_io_threads", ctypes.c_int32), ("direct_io", ctypes.c_bool),
-                ("verbose", ctypes.c_bool)]
+                ("verbose", ctypes.c_bool), ("chunk_bytes", ctypes.c_int64)]
 
 
 class StreamStats(ctypes.Structure):
@@ -48,6 +54,7 @@ def api():
             raise FlexoffloadError("this libllama has no streaming runtime: run `make setup` to rebuild it") from None
         f.restype, f.argtypes = ctypes.c_void_p, []
         lib.llama_stream_default_params.restype = StreamParams
+        lib.llama_stream_get_params.restype, lib.llama_stream_get_params.argtypes = ctypes.c_bool, [ctypes.POINTER(StreamParams)]
         lib.llama_stream_set_params.restype, lib.llama_stream_set_params.argtypes = ctypes.c_bool, [ctypes.POINTER(StreamParams)]
         lib.llama_stream_get_stats.restype, lib.llama_stream_get_stats.argtypes = ctypes.c_bool, [ctypes.POINTER(StreamStats)]
         lib.llama_stream_n_layers.restype = ctypes.c_int32
@@ -66,11 +73,22 @@ def buffer_type() -> int:
     return buft
 
 
-def configure(window: int, io_threads: int, direct_io: bool = True) -> None:
+def configure(window: int, io_threads: int, direct_io: bool = True, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
+    """Set the runtime's parameters. chunk_bytes: tensors larger than this are read in row chunks of at most this
+    many bytes (0: whole); it applies to the models loaded afterwards."""
+    if chunk_bytes < 0:
+        raise FlexoffloadError(f"the chunk size must be >= 0, not {chunk_bytes}")
     p = api().llama_stream_default_params()
-    p.window, p.n_io_threads, p.direct_io = window, io_threads, direct_io
+    p.window, p.n_io_threads, p.direct_io, p.chunk_bytes = window, io_threads, direct_io, chunk_bytes
     if not api().llama_stream_set_params(ctypes.byref(p)):
         raise FlexoffloadError("streaming is not supported by this build")
+
+
+def params() -> StreamParams:
+    """The runtime's current parameters."""
+    p = StreamParams()
+    api().llama_stream_get_params(ctypes.byref(p))
+    return p
 
 
 @dataclass

@@ -146,7 +146,8 @@ def test_window_bytes_is_the_largest_run_of_window_plus_one_stages(model):
     assert costmodel.window_bytes(model, everything_but_layers, 0) == layer
     assert costmodel.window_bytes(model, everything_but_layers, 2) == 3 * layer
     # streamed token_embd and output sit next to each other in the ring (the window wraps to the next token); the
-    # output takes a buffer as big as itself, token_embd only the pages of the rows a lookup reads, besides
+    # output (2 MiB: not larger than a chunk) takes a buffer as big as itself, token_embd only the pages of the rows
+    # a lookup reads, besides
     head = {"token_embd.weight", "output.weight"}
     everything_but_head = {t.name for t in model.tensors} - head
     embd = next(t for t in model.tensors if t.name == "token_embd.weight")
@@ -155,6 +156,57 @@ def test_window_bytes_is_the_largest_run_of_window_plus_one_stages(model):
     for window in (0, 1, 3):
         assert costmodel.window_bytes(model, everything_but_head, window) == sizes["output.weight"] + rows
         assert costmodel.window_bytes(model, everything_but_head | {"output.weight"}, window) == rows
+
+
+def test_chunks_split_as_the_runtime_does():
+    """As patch 0007 splits: as few chunks of at most the chunk size as will do, about equal, whole rows, a multiple
+    of 64 rows when a chunk holds 64; a tensor not larger than a chunk (or not 2-D, or chunking off) is whole."""
+    from flexoffload.model import Tensor
+
+    # the real 1.5B's output: 151936 rows of 1536 Q6_K (1260 bytes a row), 183 MiB
+    out = Tensor("output.weight", "output", None, "Q6_K", (1536, 151936), 151936 * 1260, 0)
+    assert costmodel.CHUNK_BYTES == 16 << 20 and costmodel.CHUNKS_IN_FLIGHT == 2
+    # at most 13315 rows fit 16 MiB, 13312 in 64s: 12 chunks of 12672 rows (15.2 MiB), the last 12544
+    assert costmodel.chunk_rows(out) == 12672 and costmodel.read_requests(out) == 12
+    assert 11 * 12672 < 151936 <= 12 * 12672 and 12672 * 1260 <= costmodel.CHUNK_BYTES
+    assert costmodel.held_bytes(out) == 2 * 12672 * 1260  # 30.5 MiB instead of 183
+    # small chunks: fewer than 64 rows are not rounded
+    assert costmodel.chunk_rows(out, 50 * 1260) == 50 and costmodel.read_requests(out, 50 * 1260) == 3039
+    assert costmodel.chunk_rows(out, 100 * 1260) == 64  # 100 rows fit: 64 of them
+    # a tensor of two chunks holds both
+    two = Tensor("blk.0.ffn_down.weight", "ffn_down", 0, "Q4_0", (8960, 1536), 1536 * 5040, 0)
+    assert costmodel.read_requests(two, two.n_bytes - 1) == 2
+    assert costmodel.held_bytes(two, two.n_bytes - 1) == 2 * 768 * 5040 == two.n_bytes
+    for chunk in (0, out.n_bytes, out.n_bytes + 1):
+        assert costmodel.chunk_rows(out, chunk) is None and costmodel.read_requests(out, chunk) == 1
+        assert costmodel.held_bytes(out, chunk) == out.n_bytes
+    vec = Tensor("output_norm.weight", "norm", None, "F32", (1 << 23,), 1 << 25, 0)
+    assert costmodel.chunk_rows(vec) is None
+
+
+def test_a_chunked_tensor_holds_its_chunks_in_flight_and_reads_all(model):
+    """With chunks of 512 KiB the 2 MiB output holds two of them in window, and still reads all of itself a pass in
+    four requests."""
+    prof = disk_bound(model)
+    pipe, whole = Pipeline(model, prof, 4, chunk_bytes=512 << 10), Pipeline(model, prof, 4, chunk_bytes=0)
+    sizes = {t.name: t.n_bytes for t in model.tensors}
+    embd = next(t for t in model.tensors if t.name == "token_embd.weight")
+    rows = costmodel.rows_memory(embd)
+    everything_but_head = {t.name for t in model.tensors} - {"token_embd.weight", "output.weight"}
+    for window in (0, 1, 3):
+        assert pipe.window_bytes(everything_but_head, window) == (1 << 20) + rows
+        assert whole.window_bytes(everything_but_head, window) == sizes["output.weight"] + rows
+    head = [s for s in pipe.stages(everything_but_head) if s.name == "output"][0]
+    assert head.streamed_bytes == sizes["output.weight"] and head.held_bytes == 1 << 20
+    assert head.read_s == pytest.approx(prof.read_seconds(sizes["output.weight"], 4, 4))
+    # everything streamed: gate and up (3 MiB, 1536 rows of 2 KiB) hold two chunks of 256 rows, down (512 rows of
+    # 6 KiB) two of 64, attention q and output (1 MiB) two halves: all of them
+    small = always_resident(model)
+    layer = sum(t.n_bytes for t in model.tensors if t.layer == 0 and t.name not in small)
+    assert pipe.window_bytes(small, 0) == layer - 3 * (3 << 20) + 2 * (1 << 20) + 2 * 64 * 6144 + rows
+    assert whole.window_bytes(small, 0) == layer + rows
+    # what a pass reads does not change
+    assert [s.streamed_bytes for s in pipe.stages(small)] == [s.streamed_bytes for s in whole.stages(small)]
 
 
 def test_roofline(model):

@@ -276,3 +276,159 @@ def test_memlock_limit_raised_or_lock_failure_recorded(streamable_model):
     capped = _locked_run(streamable_model, "prlimit", "--memlock=65536:65536", *_SETPRIV)
     assert capped["resident_locked"] is False and capped["loaded"] < capped["resident"]
     assert capped["tokens"] == raised["tokens"] == base["tokens"]
+
+
+# A vocabulary big enough that token_embd and output (8192 x 1024 Q4_0, 4.5 MiB each) are the largest tensors, as
+# in real models; with 1 MiB chunks the output is read in 5 chunks of 1792 rows (the last 1024), the FFN tensors
+# (1.5 MiB) in 2, the attention ones (<= 576 KiB) whole.
+CHUNKY = synth.Shape(n_layer=4, n_embd=1024, n_ff=2816, n_head=8, n_head_kv=4, n_vocab=8192, n_ctx_train=1024)
+CHUNK = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def chunky_model(tmp_path_factory):
+    return synth.write(tmp_path_factory.mktemp("models") / "chunky.gguf", CHUNKY, output_scale=4.0)
+
+
+def _decode_all_logits(eng, tokens):
+    """Decode tokens as one batch asking logits of every one of them (a multi-column output matmul); a copy."""
+    import numpy as np
+
+    lib = eng.lib
+    lib.llama_memory_clear(lib.llama_get_memory(eng.ctx), True)
+    batch = lib.llama_batch_init(len(tokens), 0, 1)
+    try:
+        for i, tok in enumerate(tokens):
+            batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = tok, i, 1, 1
+            batch.seq_id[i][0] = 0
+        batch.n_tokens = len(tokens)
+        assert lib.llama_decode(eng.ctx, batch) == 0
+        n_vocab = lib.llama_vocab_n_tokens(eng.vocab)
+        return np.stack([np.ctypeslib.as_array(lib.llama_get_logits_ith(eng.ctx, i), shape=(n_vocab,)).copy()
+                         for i in range(len(tokens))])
+    finally:
+        lib.llama_batch_free(batch)
+
+
+def _chunked_run(model, strategy, window, streamed, chunk_bytes, n_batch_tokens):
+    """Greedy generation (the prompt, then decodes of one token), the last logits, the logits of a batch of
+    n_batch_tokens tokens each with its own output row, and the stats of the generation."""
+    import ctypes
+
+    from flexoffload import engine, plan as plans, stream
+
+    m = load(model)
+    patterns = tuple(plans.override_patterns(streamed, [t.name for t in m.tensors]))
+    settings = engine.Settings(n_ctx=512, temp=0.0, strategy=strategy, window=window, chunk_bytes=chunk_bytes,
+                               n_outputs=n_batch_tokens, streamed_patterns=patterns if strategy == "stream" else ())
+    with engine.Engine(model, settings) as eng:
+        out = eng.generate(LONG_PROMPT, 6)
+        last = eng.last_logits()
+        outside = stream.LayerStats()  # the tensors outside the layers
+        if strategy == "stream":
+            assert stream.api().llama_stream_get_layer_stats(-1, ctypes.byref(outside))
+            assert stream.params().chunk_bytes == chunk_bytes
+        prompt = eng.tokenize(LONG_PROMPT)
+        batch = _decode_all_logits(eng, prompt[:n_batch_tokens])
+    return out, last, batch, outside, prompt
+
+
+@pytest.mark.parametrize("window", [0, 2])
+def test_chunked_output_is_bit_exact_and_holds_a_few_chunks(chunky_model, window):
+    """The output matrix streamed in chunks (token_embd too, read by rows): logits equal mmap's to the bit, for
+    decode (one column) and a batch of 48 tokens each with logits (a speculation tree's worth of columns); each
+    pass reads the whole output once, nothing twice, and its memory is two chunks, not the tensor."""
+    import numpy as np
+
+    from flexoffload import costmodel
+
+    m = load(chunky_model)
+    output = next(t for t in m.tensors if t.kind == "output")
+    embd = next(t for t in m.tensors if t.kind == "token_embd")
+    rows = costmodel.chunk_rows(output, CHUNK)
+    assert rows == 1664 and costmodel.read_requests(output, CHUNK) == 5
+    base, base_last, base_batch, *_ = _chunked_run(chunky_model, "mmap", 0, [], CHUNK, 48)
+    out, last, batch, outside, prompt = _chunked_run(chunky_model, "stream", window, [embd.name, output.name], CHUNK,
+                                                     48)
+    assert out.tokens == base.tokens and out.n_gen == 6
+    assert np.array_equal(last, base_last)
+    assert np.array_equal(batch, base_batch)
+    t = out.timings
+    passes = 1 + out.n_gen - 1
+    assert t["stream_passes"] == passes and t["stream_rereads"] == 0
+    # each pass reads the output whole, once (5 chunk reads), and token_embd's rows (as in the test above)
+    rows = sum(len(set(prompt[i:i + costmodel.ROWS_CHUNK])) for i in range(0, len(prompt), costmodel.ROWS_CHUNK)) \
+        + out.n_gen - 1
+    assert t["stream_bytes_read"] == passes * output.n_bytes + rows * costmodel.row_bytes(embd)
+    assert outside.bytes_read == t["stream_bytes_read"] and t["stream_reads"] >= passes * 5
+    # the read pool holds two chunks (and their alignment pages), the row pages come and go: not the 4.5 MiB
+    assert t["stream_committed_peak"] <= costmodel.held_bytes(output, CHUNK) + 4 * 4096 + costmodel.rows_memory(embd)
+    assert t["stream_committed_peak"] < output.n_bytes / 2
+
+
+@pytest.mark.parametrize("window", [0, 3])
+def test_everything_chunked_is_bit_exact(chunky_model, window):
+    """Every streamable tensor streamed, the FFN ones and the output in chunks: same logits as mmap for a prompt
+    batch (many columns through chunked FFN matmuls), decode and a batch of 48 outputs; each pass reads every
+    streamed tensor's bytes once."""
+    import numpy as np
+
+    from flexoffload import costmodel
+    from flexoffload.planners import always_resident
+
+    m = load(chunky_model)
+    streamed = [t for t in m.tensors if t.name not in always_resident(m) or t.kind == "token_embd"]
+    assert sum(costmodel.chunk_rows(t, CHUNK) is not None for t in streamed) == 3 * CHUNKY.n_layer + 2
+    base, base_last, base_batch, *_ = _chunked_run(chunky_model, "mmap", 0, [], CHUNK, 48)
+    out, last, batch, *_ = _chunked_run(chunky_model, "stream", window, [t.name for t in streamed], CHUNK, 48)
+    assert out.tokens == base.tokens
+    assert np.array_equal(last, base_last) and np.array_equal(batch, base_batch)
+    t = out.timings
+    passes = 1 + out.n_gen - 1
+    per_pass = sum(x.n_bytes for x in streamed if x.kind != "token_embd")
+    assert t["stream_passes"] == passes and t["stream_rereads"] == 0
+    if window == 0:
+        assert passes * per_pass < t["stream_bytes_read"] < passes * per_pass + (1 << 20)
+    else:  # the prefetcher may already be reading the next pass's first layers when the run ends
+        assert passes * per_pass < t["stream_bytes_read"] < (passes + 1) * per_pass
+    # the pool is sized by what the planner counts: the held bytes of window+1 layers
+    from flexoffload.costmodel import Pipeline
+
+    held = Pipeline(m, chunk_bytes=CHUNK).window_bytes({x.name for x in m.tensors} - {x.name for x in streamed},
+                                                       window)
+    assert t["stream_committed_peak"] <= held + (1 << 20)
+
+
+@pytest.mark.integration
+def test_real_model_chunked_logits_are_bit_exact(real_model):
+    """The real 1.5B's K-quants (the tiled kernels for 8 or more columns): with 4 MiB chunks the output (Q6_K) and
+    the FFN down matrices (Q6_K/Q4_K, 8-11 MiB) stream in chunks; logits of a batch of 48 tokens each with its own
+    output row, and the last decoded token's, equal mmap's to the bit."""
+    import numpy as np
+
+    m = load(real_model)
+    streamed = [t.name for t in m.tensors if t.kind in ("output", "ffn_down")]
+    runs = {}
+    for strategy in ("mmap", "stream"):
+        out, last, batch, *_ = _chunked_run(real_model, strategy, 1, streamed, 4 << 20, 48)
+        runs[strategy] = out.tokens, last, batch
+    assert runs["stream"][0] == runs["mmap"][0]
+    assert np.array_equal(runs["stream"][1], runs["mmap"][1]) and np.array_equal(runs["stream"][2], runs["mmap"][2])
+
+
+@pytest.mark.integration
+def test_real_model_plans_and_runs_at_0_3x(real_model, tmp_path):
+    """The output matrix (183 MiB) streams in chunks, two in flight: 0.3x of the 1.5B (320 MiB; the minimum was
+    430 MiB with it read whole) plans, and runs under the enforced budget with mmap's greedy tokens, reading every
+    streamed tensor once a pass."""
+    r = cli("plan", "-m", str(real_model), "--mem", "0.3x", "-o", str(tmp_path / "plan"), "--json", check=True)
+    plan = json.loads(r.stdout)
+    assert "output.weight" in plan["streamed"] and plan["memory"]["total"] <= plan["budget"]
+    base = run_json(real_model, PROMPT, 8, "--strategy", "mmap")
+    out = run_json(real_model, PROMPT, 8, "--mem", "0.3x", "--enforce")
+    size_mb = real_model.stat().st_size / 2**20
+    assert out["enforced"] and out["strategy"] == "stream" and out["tokens"] == base["tokens"]
+    assert out["peak_mem_mb"] <= 0.3 * size_mb + 1
+    t = out["timings"]
+    assert t["stream_rereads"] == 0 and t["stream_passes"] == out["n_gen"]
+    assert t["stream_committed_peak"] < 80 << 20  # the window of the plan, not the 183 MiB output

@@ -12,12 +12,15 @@ Rules shared by all policies (`base`):
   model, and streaming each would cost a read request per token for almost no bytes (HyperGen's size-aware
   caching). A capacity below them and the window of streaming all else is an error (see `minimum_budget`).
 - The tensors outside the layers (token_embd, output) stay resident unless the capacity cannot hold them. The
-  output matrix is one large lump in the pipeline needing a window buffer as big as itself: streaming it frees its
-  bytes but takes most of them back in window, and its read cannot be spread over layers. When one must give way,
-  token_embd streams first: the runtime reads only the rows a pass looks up (get_rows: a row per decoded token,
-  into the pages of a few rows; costmodel.reads_rows), so it costs almost no memory and one small read a token.
-  That makes streaming it worth it whenever anything streams: `balanced` weighs that too (the baselines keep the
-  shared rule).
+  output matrix is one large lump in the pipeline whose read cannot be spread over layers. It used to need a
+  window buffer as big as itself (183 MiB on the 1.5B), which set the minimum budget; the runtime now reads a
+  tensor larger than costmodel.CHUNK_BYTES in row chunks and gives each back after use (patch 0007), so a streamed
+  output holds only CHUNKS_IN_FLIGHT chunks of window (costmodel.held_bytes: 32 MiB) and streaming it frees nearly
+  all its bytes. `balanced` therefore also tries it streamed whenever anything streams (the baselines keep the
+  shared rule). When one must give way, token_embd streams first: the runtime reads only the rows a pass looks up
+  (get_rows: a row per decoded token, into the pages of a few rows; costmodel.reads_rows), so it costs almost no
+  memory and one small read a token. That makes streaming it worth it whenever anything streams: `balanced` weighs
+  that too.
 """
 
 from __future__ import annotations
@@ -64,7 +67,8 @@ class Ledger:
         stages = pipe.stages(resident)
         index = {s.name: i for i, s in enumerate(stages)}
         self.stage = {t.name: index[f"blk.{t.layer}"] for t in model.tensors if t.layer is not None}
-        self.streamed = [s.streamed_bytes for s in stages]  # per stage
+        self.held = pipe.held  # read buffers a streamed tensor holds (a chunked one: a few chunks)
+        self.streamed = [s.held_bytes for s in stages]  # per stage, what its streamed tensors hold
         self.resident = set(resident)
         # resident bytes, and the pages of the rows a streamed token_embd reads (fixed: only layer tensors are added)
         self.used = sum(t.n_bytes for t in model.tensors if t.name in resident) + pipe.rows_memory(resident)
@@ -90,7 +94,7 @@ class Ledger:
             return False  # the window would not shrink
         streamed = list(self.streamed)
         for t in tensors:
-            streamed[self.stage[t.name]] -= t.n_bytes
+            streamed[self.stage[t.name]] -= self.held[t.name]
         return self.used + n_bytes + window_bytes_of(streamed, self.window) <= self.capacity
 
     def add(self, tensors: Iterable[Tensor]) -> None:
@@ -98,7 +102,7 @@ class Ledger:
             if t.name not in self.resident:
                 self.resident.add(t.name)
                 self.used += t.n_bytes
-                self.streamed[self.stage[t.name]] -= t.n_bytes
+                self.streamed[self.stage[t.name]] -= self.held[t.name]
                 self._fresh, self._window_stages = False, None
         if self.used + self.window_bytes > self.capacity:
             self._refresh()
@@ -115,7 +119,7 @@ class Ledger:
         """How much making t resident would shrink the window."""
         self._refresh()
         streamed = list(self.streamed)
-        streamed[self.stage[t.name]] -= t.n_bytes
+        streamed[self.stage[t.name]] -= self.held[t.name]
         return self.window_bytes - window_bytes_of(streamed, self.window)
 
     def window_stages(self) -> set[int]:
@@ -172,7 +176,7 @@ def minimum_budget(model: Model, window: int | None = None, kv_cache: int = 0, c
                    overhead: int = 0) -> int:
     """The smallest budget that runs: everything streamable streamed, small tensors resident, the window's
     buffers, KV cache, compute buffers and overhead (window None: the least over AUTO_WINDOWS, i.e. window 0).
-    Streaming a tensor moves its bytes to the window at most, so no plan needs less."""
+    Streaming a tensor moves its bytes to the window at most (a chunked one: a few chunks), so no plan needs less."""
     windows = AUTO_WINDOWS if window is None else (window,)
     small = always_resident(model)
     return min(memory_for(model, small, w) for w in windows) + kv_cache + compute + overhead
