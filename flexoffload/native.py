@@ -48,3 +48,19 @@ def llama_cpp():
         lib.llama_backend_init()
         _llama_cpp = lib
     return _llama_cpp
+
+
+def set_tiled_matmul(mode: int) -> None:
+    """ggml_cpu_set_tiled_matmul (patch 0008): -1 as the environment says, 0 off, 1 on. Process wide."""
+    import ctypes
+
+    global _ggml_cpu
+    if _ggml_cpu is None:
+        llama_cpp()  # loads libggml-cpu.so with libllama; this opens the same copy
+        _ggml_cpu = ctypes.CDLL(str(build_dir() / "libggml-cpu.so"))
+        _ggml_cpu.ggml_cpu_set_tiled_matmul.argtypes = [ctypes.c_int]
+        _ggml_cpu.ggml_cpu_set_tiled_matmul.restype = None
+    _ggml_cpu.ggml_cpu_set_tiled_matmul(mode)
+
+
+_ggml_cpu = None

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import FlexoffloadError
+from . import FlexoffloadError, native
 from .engine import Engine, Result
 
 THRESHOLD = 0.3  # a candidate this likely opens a branch (LLMCad)
@@ -267,20 +267,13 @@ class Speculator:
         stall0 = stream.stats().t_stall_s if t.settings.strategy != "mmap" else 0.0
         rc = []
         t0 = time.perf_counter()
-        if self.options.pipeline:
-            # the draft gets one thread less while the target's pass runs: ggml's threads spin at barriers, and
-            # more compute threads than cores stall both models
-            d = self.draft.settings.n_threads
-            lib.llama_set_n_threads(self.draft.ctx, max(1, d - 1), max(1, d - 1))
-            worker = threading.Thread(target=lambda: rc.append(lib.llama_decode(t.ctx, self._tbatch.batch)))
-            worker.start()
-            try:
-                self._draft_during(worker)
-            finally:
-                worker.join()
-                lib.llama_set_n_threads(self.draft.ctx, d, d)
-        else:
-            rc.append(lib.llama_decode(t.ctx, self._tbatch.batch))
+        # the per-row kernels a one-token pass uses: with the tiled ones (from 8 tokens) the logits would differ in
+        # their last bits from a run without speculation, and near ties would flip (patch 0008)
+        native.set_tiled_matmul(0)
+        try:
+            self._target_pass(rc)
+        finally:
+            native.set_tiled_matmul(-1)
         t_pass = time.perf_counter() - t0
         self.stats.target_s += t_pass
         if t.settings.strategy != "mmap":
@@ -308,6 +301,25 @@ class Speculator:
         if not ended:
             self._keep(node, out[-1])
         return out, ended
+
+    def _target_pass(self, rc: list) -> None:
+        """The target's llama_decode over the tree (its return code appended to rc), with the draft going on
+        meanwhile when pipelining."""
+        lib, t = self.lib, self.target
+        if not self.options.pipeline:
+            rc.append(lib.llama_decode(t.ctx, self._tbatch.batch))
+            return
+        # the draft gets one thread less while the target's pass runs: ggml's threads spin at barriers, and
+        # more compute threads than cores stall both models
+        d = self.draft.settings.n_threads
+        lib.llama_set_n_threads(self.draft.ctx, max(1, d - 1), max(1, d - 1))
+        worker = threading.Thread(target=lambda: rc.append(lib.llama_decode(t.ctx, self._tbatch.batch)))
+        worker.start()
+        try:
+            self._draft_during(worker)
+        finally:
+            worker.join()
+            lib.llama_set_n_threads(self.draft.ctx, d, d)
 
     def _draft_during(self, worker: threading.Thread) -> None:
         """The speculative generation pipeline: while the target's pass runs, extend the most confident branch."""

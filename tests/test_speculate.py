@@ -200,3 +200,52 @@ def test_real_speculation_refuses_a_budget_the_draft_leaves_too_little_of(real_m
     r = cli("run", "-m", str(real_model), "-md", str(draft_model), "-p", "x", "--mem", "0.5x")
     assert r.returncode != 0
     assert "minimum" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.integration
+def test_real_verification_pass_without_tiled_kernels_equals_one_token_passes(real_model):
+    """Patch 0008: with the tiled K-quant kernels off, the logits of a token verified in a pass of 9 equal those of
+    a one-token pass, bit for bit; with them on (the default from 8 tokens) they differ on this model."""
+    import numpy as np
+
+    from flexoffload import native
+
+    settings = speculate.target_settings(engine.Settings(n_ctx=256, n_batch=64, temp=0.0, strategy="mmap"))
+    with engine.Engine(real_model, settings) as e:
+        lib, mem = e.lib, e.lib.llama_get_memory(e.ctx)
+        toks = e.tokenize(PROMPTS[0])
+        toks += e.generate(PROMPTS[0], 10).tokens
+        n = len(toks) - 9
+
+        def last_logits(batched: bool, tiled: int = -1):
+            lib.llama_memory_clear(mem, True)
+            e._decode(toks[:n])  # the prompt as a run without speculation reads it: tiled kernels on
+            if batched:
+                batch = speculate._Batch(lib, 16, 1)
+                batch.fill([(t, n + i, [0], True) for i, t in enumerate(toks[n:])])
+                native.set_tiled_matmul(tiled)
+                try:
+                    assert lib.llama_decode(e.ctx, batch.batch) == 0
+                finally:
+                    native.set_tiled_matmul(-1)
+                batch.free()
+            else:
+                for t in toks[n:]:
+                    e._decode([t])
+            return e.last_logits()
+
+        single = last_logits(False)
+        assert np.array_equal(last_logits(True, tiled=0), single)
+        assert not np.array_equal(last_logits(True), single)
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("max_nodes", [4, 8, 16])
+def test_real_greedy_speculation_equals_the_target_at_any_tree_size(real_model, draft_model, max_nodes):
+    """Tree sizes change which kernels and which KV cells a verification uses: output stays the target's."""
+    settings = engine.Settings(n_ctx=512, n_batch=64, temp=0.0, strategy="mmap")
+    for prompt in PROMPTS:
+        ref = _alone(real_model, settings, prompt, 40)
+        got = speculate.run(real_model, settings, draft_model, Options(max_nodes=max_nodes, pipeline=False),
+                            prompt, 40)
+        assert got.tokens == ref.tokens, (max_nodes, prompt)
