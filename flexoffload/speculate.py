@@ -21,6 +21,7 @@ path is moved into sequence 0 and every other sequence is dropped, which frees t
 from __future__ import annotations
 
 import codecs
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -43,7 +44,7 @@ class Options:
     tree: bool = True  # False: a linear chain (only the draft's top token)
     pacer: bool = True  # False: branches grow in turn (round robin)
     adaptive: bool = True  # False: verify only when the tree reaches its node budget
-    pipeline: bool = True  # draft on while the target verifies
+    pipeline: bool = False  # draft on while the target verifies (slower on 2 cores, measured: off by default)
     threshold: float = THRESHOLD
     alpha: float = ALPHA
     max_nodes: int | None = None  # node budget; None: from the measured target pass and draft token times
@@ -309,15 +310,23 @@ class Speculator:
         if not self.options.pipeline:
             rc.append(lib.llama_decode(t.ctx, self._tbatch.batch))
             return
-        # the draft gets one thread less while the target's pass runs: ggml's threads spin at barriers, and
-        # more compute threads than cores stall both models
+        # The draft must not slow the target's pass down (LLMCad: the two never compute at once). It computes on
+        # this thread alone (one draft thread), at the lowest priority: the scheduler gives it the CPU only while
+        # the target's threads wait on the disk. The target's threads are made by the worker, before this
+        # thread's priority drops, so they keep theirs. Measured without it: the target's compute 2.4x slower.
         d = self.draft.settings.n_threads
-        lib.llama_set_n_threads(self.draft.ctx, max(1, d - 1), max(1, d - 1))
+        lib.llama_set_n_threads(self.draft.ctx, 1, 1)
         worker = threading.Thread(target=lambda: rc.append(lib.llama_decode(t.ctx, self._tbatch.batch)))
         worker.start()
+        me = threading.get_native_id()
+        nice = os.getpriority(os.PRIO_PROCESS, me) if os.geteuid() == 0 else None  # going back needs root
         try:
+            if nice is not None:
+                os.setpriority(os.PRIO_PROCESS, me, 19)
             self._draft_during(worker)
         finally:
+            if nice is not None:
+                os.setpriority(os.PRIO_PROCESS, me, nice)
             worker.join()
             lib.llama_set_n_threads(self.draft.ctx, d, d)
 

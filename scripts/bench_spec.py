@@ -10,7 +10,8 @@ memory cgroup at the budget after the page cache is dropped:
     llama-speculative  llama.cpp's speculative example with the same draft, its --spec-draft-n-max tuned per budget
     chain              flexoffload, a linear draft chain (-md DRAFT --spec chain)
     tree               flexoffload, token-tree speculation (-md DRAFT)
-    tree-no-pacer, tree-no-adaptive, tree-no-pipeline   the ablations (LLMCad Figure 15)
+    tree-no-pacer, tree-no-adaptive   the ablations (LLMCad Figure 15)
+    tree-pipeline      the tree with the speculative generation pipeline on (off by default: slower here)
 
 A configuration refused at a budget (below its minimum), killed by the kernel or timed out is a row with the error.
 Every run's output is compared with the target alone's greedy output for the prompt (token ids for flexoffload's
@@ -51,10 +52,10 @@ FLEX = {  # flexoffload run flags per configuration; "{draft}" is the draft mode
     "tree": ["-md", "{draft}", "--spec", "tree"],
     "tree-no-pacer": ["-md", "{draft}", "--spec", "tree", "--no-pacer"],
     "tree-no-adaptive": ["-md", "{draft}", "--spec", "tree", "--no-adaptive"],
-    "tree-no-pipeline": ["-md", "{draft}", "--spec", "tree", "--no-pipeline"],
+    "tree-pipeline": ["-md", "{draft}", "--spec", "tree", "--pipeline"],
 }
 SPECULATIVE = "llama-speculative"
-CONFIGS = ("stream", "mmap", SPECULATIVE, "chain", "tree", "tree-no-pacer", "tree-no-adaptive", "tree-no-pipeline")
+CONFIGS = ("stream", "mmap", SPECULATIVE, "chain", "tree", "tree-no-pacer", "tree-no-adaptive", "tree-pipeline")
 TARGET_ALONE = ("stream", "mmap")  # the reference outputs, stream first
 CTX_MARGIN = 64  # context beyond prompt and -n: a speculation tree's nodes past the last accepted token
 

@@ -19,14 +19,14 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-ORDER = ("stream", "mmap", "llama-speculative", "chain", "tree-no-pipeline", "tree-no-adaptive", "tree-no-pacer",
+ORDER = ("stream", "mmap", "llama-speculative", "chain", "tree-pipeline", "tree-no-adaptive", "tree-no-pacer",
          "tree")
 STYLE = {"stream": dict(color="tab:gray", marker="s"), "mmap": dict(color="black", marker="x", linestyle=":"),
          "llama-speculative": dict(color="tab:orange", marker="^"), "chain": dict(color="tab:green", marker="v"),
          "tree": dict(color="tab:blue", marker="o", linewidth=2.2),
          "tree-no-pacer": dict(color="tab:purple", marker=".", linestyle="--"),
          "tree-no-adaptive": dict(color="tab:brown", marker=".", linestyle="--"),
-         "tree-no-pipeline": dict(color="tab:pink", marker=".", linestyle="--")}
+         "tree-pipeline": dict(color="tab:pink", marker=".", linestyle="--")}
 
 
 def speeds(rows: list[dict]) -> dict:

@@ -18,7 +18,7 @@ ALL_OPTIONS = {
     "chain": Options(tree=False),
     "no-pacer": Options(pacer=False),
     "no-adaptive": Options(adaptive=False, max_nodes=12),
-    "no-pipeline": Options(pipeline=False),
+    "pipeline": Options(pipeline=True),
 }
 
 
