@@ -167,6 +167,10 @@ def run(model_spec, prompt, prompt_file, n_predict, ctx_size, batch_size, thread
                                  pipeline=pipeline, threshold=draft_p_split, max_nodes=draft_max)
         # a logits row per tree node (the node budget is memory), and llama.cpp keeps one per sequence
         n_outputs = max(draft_max or speculate.MAX_NODES, speculate.MAX_BRANCHES + 1)
+        alone = budgets.resident_bytes(model, ctx_size, batch_size) + budgets.RUNTIME_OVERHEAD
+        if limit is not None and limit >= alone and result_file is None:
+            click.echo("flexoffload: the target fits in --mem by itself; with the draft it streams, which measured "
+                       "slower (results/llmcad_qwen.md): consider running without -md", err=True)
     plan = plan_for_run(model, strategy, policy, plan_dir, limit, ctx_size, batch_size, threads, window, io_threads,
                         n_outputs, draft_bytes)
 

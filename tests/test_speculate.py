@@ -249,3 +249,13 @@ def test_real_greedy_speculation_equals_the_target_at_any_tree_size(real_model, 
         got = speculate.run(real_model, settings, draft_model, Options(max_nodes=max_nodes, pipeline=False),
                             prompt, 40)
         assert got.tokens == ref.tokens, (max_nodes, prompt)
+
+
+@pytest.mark.integration
+def test_real_speculation_says_when_the_target_fits_by_itself(real_model, draft_model):
+    common = ["-m", str(real_model), "-md", str(draft_model), "-p", "def f():", "-n", "1", "-c", "512", "-b", "64",
+              "--temp", "0"]
+    roomy = cli("run", *common, "--mem", "1.3x", check=True)
+    assert "fits in --mem by itself" in roomy.stderr
+    tight = cli("run", *common, "--mem", "0.8x", check=True)
+    assert "fits in --mem by itself" not in tight.stderr
