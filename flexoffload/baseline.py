@@ -88,7 +88,7 @@ class Speculative:
 
 
 class Incomplete(FlexoffloadError):
-    """llama-speculative's output was cut short (its logger is asynchronous; seen once with llama-completion)."""
+    """llama-speculative's output is incomplete: it stops before its trailer or lacks its timings."""
 
 
 _NUM = r"([-+]?(?:\d+\.?\d*|inf|nan))"
@@ -146,31 +146,24 @@ def command(target, draft, prompt: str, n_predict: int, n_ctx: int, n_batch: int
 
 
 def run(target, draft, prompt: str, n_predict: int, n_ctx: int, n_batch: int, n_threads: int, n_draft: int,
-        budget: int | None = None, timeout: float | None = None, attempts: int = 3, cold: bool = True) -> Speculative:
+        budget: int | None = None, timeout: float | None = None, cold: bool = True) -> Speculative:
     """llama-speculative on the prompt, in its own memory cgroup at budget bytes (none: unlimited).
 
-    cold: drop the page cache before each attempt (where permitted). An output cut short is run again, up to
-    attempts times; a run the kernel stopped at the budget, a failure or a timeout is a FlexoffloadError.
+    cold: drop the page cache first (where permitted). A run the kernel stopped at the budget, a failure, a
+    timeout or an output cut short is a FlexoffloadError.
     """
     if n_draft < 1:
         raise FlexoffloadError("--spec-draft-n-max must be at least 1")
     cmd = command(target, draft, prompt, n_predict, n_ctx, n_batch, n_threads, n_draft)
-    for attempt in range(attempts):
-        if cold:
-            budgets.drop_page_cache()
-        r = limited(cmd, budget, timeout)
-        if r.oom_killed:
-            raise FlexoffloadError(f"out of memory: the kernel stopped llama-speculative at the enforced budget of "
-                                   f"{format_size(budget)}")
-        if r.returncode != 0:
-            last = [line for line in r.stderr.strip().splitlines() if line.strip()][-1:] or [f"exit {r.returncode}"]
-            raise FlexoffloadError(f"llama-speculative failed (exit {r.returncode}): {last[0].strip()}")
-        try:
-            result = parse(r.stdout, r.stderr, prompt)
-        except Incomplete:
-            if attempt == attempts - 1:
-                raise
-            continue
-        result.peak_mem_mb, result.enforced, result.wall_s = r.peak_mem_mb, r.enforced, r.wall_s
-        return result
-    raise AssertionError("unreachable")
+    if cold:
+        budgets.drop_page_cache()
+    r = limited(cmd, budget, timeout)
+    if r.oom_killed:
+        raise FlexoffloadError(f"out of memory: the kernel stopped llama-speculative at the enforced budget of "
+                               f"{format_size(budget)}")
+    if r.returncode != 0:
+        last = [line for line in r.stderr.strip().splitlines() if line.strip()][-1:] or [f"exit {r.returncode}"]
+        raise FlexoffloadError(f"llama-speculative failed (exit {r.returncode}): {last[0].strip()}")
+    result = parse(r.stdout, r.stderr, prompt)
+    result.peak_mem_mb, result.enforced, result.wall_s = r.peak_mem_mb, r.enforced, r.wall_s
+    return result
