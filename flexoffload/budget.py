@@ -77,10 +77,15 @@ def compute_buffer_bytes(model, n_ctx: int, n_batch: int, n_outputs: int = 1) ->
     return n_batch * (4 * (3 * model.n_ff + 4 * model.n_embd) + 2 * n_ctx) + 4 * model.n_vocab * (2 * n_outputs - 1)
 
 
-def resident_bytes(model, n_ctx: int, n_batch: int, n_outputs: int = 1) -> int:
-    """What a model kept whole in memory takes beside the runtime (a draft model): weights, vocabulary, KV cache
-    and compute buffers."""
-    return (model.weight_bytes + VOCAB_BYTES_PER_TOKEN * model.n_vocab + model.kv_cache_bytes(n_ctx)
+def resident_bytes(model, n_ctx: int, n_batch: int, n_outputs: int = 1, by_rows=()) -> int:
+    """What a model kept in memory takes beside the runtime (a draft model): weights, vocabulary, KV cache and
+    compute buffers. by_rows: tensors it reads by rows instead (a streamed token_embd), which take the pages of a
+    few rows instead of themselves."""
+    from .costmodel import rows_memory
+
+    rows = [t for t in model.tensors if t.name in set(by_rows)]
+    weights = model.weight_bytes - sum(t.n_bytes for t in rows) + sum(rows_memory(t) for t in rows)
+    return (weights + VOCAB_BYTES_PER_TOKEN * model.n_vocab + model.kv_cache_bytes(n_ctx)
             + compute_buffer_bytes(model, n_ctx, n_batch, n_outputs))
 
 

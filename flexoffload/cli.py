@@ -130,13 +130,15 @@ def plan_for_run(model, strategy: str, policy: str, plan_dir: str | None, budget
 @click.option("--no-adaptive", is_flag=True, help="verify only at the node budget, not on low confidence (ablation)")
 @click.option("--pipeline/--no-pipeline", default=False, show_default=True,
               help="draft on while the target verifies (measured slower on 2 cores: off by default)")
+@click.option("--draft-always", is_flag=True,
+              help="speculate even where the target alone is predicted faster at --mem [default: run it alone]")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object instead of text and timings")
 @click.option("-v", "--verbose", is_flag=True, help="show llama.cpp's log")
 @click.option("--result-file", hidden=True, help="(internal) write the result here instead of reporting it")
 @_errors_as_one_line
 def run(model_spec, prompt, prompt_file, n_predict, ctx_size, batch_size, threads, temp, seed, mem, enforce,
         strategy, policy, plan_dir, window, io_threads, draft_spec, draft_max, draft_p_split, spec_mode, no_pacer,
-        no_adaptive, pipeline, as_json, verbose, result_file):
+        no_adaptive, pipeline, draft_always, as_json, verbose, result_file):
     """Generate text from a prompt (with -md: speculation by a resident draft model)."""
     from . import engine
     from . import plan as plans
@@ -162,17 +164,28 @@ def run(model_spec, prompt, prompt_file, n_predict, ctx_size, batch_size, thread
         if not 0 < draft_p_split <= 1:
             raise FlexoffloadError("--draft-p-split must be in (0, 1]")
         draft_model = load(catalog.resolve(draft_spec))
-        draft_bytes = budgets.resident_bytes(draft_model, ctx_size, batch_size, speculate.MAX_BRANCHES)
+        draft_bytes = budgets.resident_bytes(draft_model, ctx_size, batch_size, speculate.MAX_BRANCHES,
+                                             speculate.draft_by_rows(draft_model))
         spec = speculate.Options(tree=spec_mode == "tree", pacer=not no_pacer, adaptive=not no_adaptive,
                                  pipeline=pipeline, threshold=draft_p_split, max_nodes=draft_max)
         # a logits row per tree node (the node budget is memory), and llama.cpp keeps one per sequence
         n_outputs = max(draft_max or speculate.MAX_NODES, speculate.MAX_BRANCHES + 1)
-        alone = budgets.resident_bytes(model, ctx_size, batch_size) + budgets.RUNTIME_OVERHEAD
-        if limit is not None and limit >= alone and result_file is None:
-            click.echo("flexoffload: the target fits in --mem by itself; with the draft it streams, which measured "
-                       "slower (results/llmcad_qwen.md): consider running without -md", err=True)
     plan = plan_for_run(model, strategy, policy, plan_dir, limit, ctx_size, batch_size, threads, window, io_threads,
                         n_outputs, draft_bytes)
+    if spec and plan and limit is not None and not plan_dir and not draft_always:
+        # the draft's memory makes the target stream more: speculate only where that is predicted to pay
+        from . import profile as profiler
+        from .costmodel import compute_seconds
+
+        alone = plan_for_run(model, strategy, policy, None, limit, ctx_size, batch_size, threads, window, io_threads)
+        draft_token_s = compute_seconds(draft_model, profiler.measure(draft_model, threads))
+        with_draft = speculate.predicted_tok_s(1 / plan.predicted_tok_s, draft_token_s)
+        if alone.predicted_tok_s > with_draft:
+            if result_file is None:
+                click.echo(f"flexoffload: the target alone is predicted faster at this budget "
+                           f"({alone.predicted_tok_s:.2f} tok/s, with the draft {with_draft:.2f}): running without "
+                           f"-md (--draft-always speculates anyway)", err=True)
+            draft_model, draft_bytes, spec, n_outputs, plan = None, 0, None, 1, alone
 
     if enforce and result_file is None:
         cgroup = budgets.enforce_or_warn(limit, lambda msg: click.echo(msg, err=True))
@@ -188,7 +201,7 @@ def run(model_spec, prompt, prompt_file, n_predict, ctx_size, batch_size, thread
                 args += ["-md", str(draft_model.path), "--draft-p-split", str(draft_p_split), "--spec", spec_mode]
                 args += ["--draft-max", str(draft_max)] if draft_max is not None else []
                 args += [flag for flag, on in (("--no-pacer", no_pacer), ("--no-adaptive", no_adaptive),
-                                               ("--pipeline", pipeline)) if on]
+                                               ("--pipeline", pipeline), ("--draft-always", draft_always)) if on]
             with cgroup:
                 result = run_in_cgroup(cgroup, args)
             result["budget_mb"] = limit / MiB

@@ -29,7 +29,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from . import FlexoffloadError, native
+from .costmodel import reads_rows
 from .engine import Engine, Result
+from .model import Model, load
+from .plan import override_patterns
+from .planners import is_small
 
 THRESHOLD = 0.3  # a candidate this likely opens a branch (LLMCad)
 ALPHA = 0.01  # starting fallback threshold on the tree-cumulative confidence (LLMCad)
@@ -37,6 +41,11 @@ MAX_BRANCHES = 16  # sequences per model: branches alive in one tree
 MAX_NODES = 48  # cap on the tree's node budget (the target's batch, and its logits rows)
 MIN_NODES = 4
 DEAD_SEQ = MAX_BRANCHES  # the target's sequence for rejected cells kept occupied (see Speculator._bury)
+# What a tree yields, on average over the tuning prompts (HumanEval 0-39, tree with the defaults at 0.8x;
+# results/llmcad_tune.csv): tokens per target pass, and draft steps per tree. Used only to predict whether
+# speculation pays at a budget (predicted_tok_s).
+TOKENS_PER_PASS = 4.3
+DRAFT_STEPS = 9.6
 
 
 @dataclass
@@ -99,6 +108,13 @@ class Stats:
             "draft_s": self.draft_s, "target_compute_s": max(self.target_s - self.stall_s, 0.0),
             "io_stall_s": self.stall_s, "target_s": self.target_s,
         }
+
+
+def predicted_tok_s(pass_s: float, draft_token_s: float) -> float:
+    """The decode speed speculation can be expected to reach: TOKENS_PER_PASS tokens for one target pass (pass_s:
+    the time of a one-token pass by the target's plan with the draft's memory taken out) and DRAFT_STEPS draft
+    tokens (draft_token_s each)."""
+    return TOKENS_PER_PASS / (pass_s + DRAFT_STEPS * draft_token_s)
 
 
 def pace(branches: list[Branch], n_nodes: int) -> Branch | None:
@@ -538,7 +554,7 @@ class Speculator:
 
 def run(target_path, settings, draft_path, options: Options, prompt: str, n_predict: int, on_text=None) -> Result:
     """Load the target (as settings say: streamed by its plan, or mmap) and the draft (resident), and generate."""
-    with Engine(draft_path, draft_settings(settings)) as draft, \
+    with Engine(draft_path, draft_settings(settings, load(draft_path))) as draft, \
             Engine(target_path, target_settings(settings, options.max_nodes)) as target:
         return Speculator(target, draft, options).generate(prompt, n_predict, on_text)
 
@@ -550,9 +566,18 @@ def target_settings(settings, max_nodes: int | None = None):
     return replace(settings, n_outputs=max(max_nodes or MAX_NODES, MAX_BRANCHES + 1), n_seq_max=MAX_BRANCHES + 1)
 
 
-def draft_settings(settings):
-    """The draft's: every tensor read once into memory (no streamed tensors); one output per step, but llama.cpp
-    reserves at least one per sequence."""
+def draft_by_rows(draft: Model) -> list[str]:
+    """The draft's tensors read by rows, not kept: a token_embd used only for lookups (the draft has an output
+    matrix of its own) costs one small read a draft token, and its memory goes to the target (89 MiB of the
+    0.5B Qwen's 537)."""
+    return [t.name for t in draft.tensors if reads_rows(draft, t) and not is_small(t)]
+
+
+def draft_settings(settings, draft: Model):
+    """The draft's: every tensor read once into memory but those read by rows (draft_by_rows); one output per
+    step, but llama.cpp reserves at least one per sequence."""
     from dataclasses import replace
 
-    return replace(settings, strategy="stream", streamed_patterns=(), n_outputs=MAX_BRANCHES, n_seq_max=MAX_BRANCHES)
+    patterns = override_patterns(draft_by_rows(draft), [t.name for t in draft.tensors])
+    return replace(settings, strategy="stream", streamed_patterns=tuple(patterns), n_outputs=MAX_BRANCHES,
+                   n_seq_max=MAX_BRANCHES)

@@ -9,7 +9,8 @@ memory cgroup at the budget after the page cache is dropped:
     mmap               the target alone, upstream mmap (--strategy mmap)
     llama-speculative  llama.cpp's speculative example with the same draft, its --spec-draft-n-max tuned per budget
     chain              flexoffload, a linear draft chain (-md DRAFT --spec chain)
-    tree               flexoffload, token-tree speculation (-md DRAFT)
+    auto               flexoffload run -md DRAFT as a user gets it: the target alone where that is predicted faster
+    tree               flexoffload, token-tree speculation (-md DRAFT --draft-always)
     tree-no-pacer, tree-no-adaptive   the ablations (LLMCad Figure 15)
     tree-pipeline      the tree with the speculative generation pipeline on (off by default: slower here)
 
@@ -18,6 +19,7 @@ Every run's output is compared with the target alone's greedy output for the pro
 runs, text for llama-speculative's, which runs a few tokens past -n).
 
     scripts/bench_spec.py [--budgets 0.6x,0.8x,1.0x,1.3x] [--prompts 4] [-n 64] [-c 512] [-b 64] [--tag qwen]
+    scripts/bench_spec.py --on-tuning --prompts 8 --configs tree --budgets 0.8x --tag tune   # what a tree yields
 
 Writes results/llmcad_TAG.csv (a row per run; phase "tune" for the tuning runs), results/llmcad_TAG.jsonl (each
 run's text and tokens) and results/llmcad_TAG.md (means over the prompts, and the issue's two ratios at 0.8x).
@@ -48,14 +50,16 @@ from flexoffload.model import load
 FLEX = {  # flexoffload run flags per configuration; "{draft}" is the draft model
     "stream": ["--strategy", "stream"],
     "mmap": ["--strategy", "mmap"],
-    "chain": ["-md", "{draft}", "--spec", "chain"],
-    "tree": ["-md", "{draft}", "--spec", "tree"],
-    "tree-no-pacer": ["-md", "{draft}", "--spec", "tree", "--no-pacer"],
-    "tree-no-adaptive": ["-md", "{draft}", "--spec", "tree", "--no-adaptive"],
-    "tree-pipeline": ["-md", "{draft}", "--spec", "tree", "--pipeline"],
+    "auto": ["-md", "{draft}"],  # what `run -md` does by default: speculation only where predicted to pay
+    "chain": ["-md", "{draft}", "--draft-always", "--spec", "chain"],
+    "tree": ["-md", "{draft}", "--draft-always", "--spec", "tree"],
+    "tree-no-pacer": ["-md", "{draft}", "--draft-always", "--spec", "tree", "--no-pacer"],
+    "tree-no-adaptive": ["-md", "{draft}", "--draft-always", "--spec", "tree", "--no-adaptive"],
+    "tree-pipeline": ["-md", "{draft}", "--draft-always", "--spec", "tree", "--pipeline"],
 }
 SPECULATIVE = "llama-speculative"
-CONFIGS = ("stream", "mmap", SPECULATIVE, "chain", "tree", "tree-no-pacer", "tree-no-adaptive", "tree-pipeline")
+CONFIGS = ("stream", "mmap", SPECULATIVE, "auto", "chain", "tree", "tree-no-pacer", "tree-no-adaptive",
+           "tree-pipeline")
 TARGET_ALONE = ("stream", "mmap")  # the reference outputs, stream first
 CTX_MARGIN = 64  # context beyond prompt and -n: a speculation tree's nodes past the last accepted token
 
@@ -264,6 +268,9 @@ def main() -> None:
     ap.add_argument("--budgets", default=env("BUDGETS", "0.6x,0.8x,1.0x,1.3x"), help="relative to the target's size")
     ap.add_argument("--configs", default=env("CONFIGS", ",".join(CONFIGS)))
     ap.add_argument("--prompts", type=int, default=int(env("PROMPTS", "4")), help="evaluation prompts (of 40-163)")
+    ap.add_argument("--on-tuning", action="store_true", default=bool(env("ON_TUNING")),
+                    help="measure on the tuning prompts (of 0-39) instead: what speculation yields, to set "
+                         "speculate.TOKENS_PER_PASS and DRAFT_STEPS")
     ap.add_argument("--tune-prompts", type=int, default=int(env("TUNE_PROMPTS", "2")), help="tuning prompts (of 0-39)")
     ap.add_argument("--draft-ns", default=env("DRAFT_NS", "2,4,8,16"), help="llama-speculative's n-max values tried")
     ap.add_argument("-n", "--n-predict", type=int, default=int(env("N", "64")))
@@ -293,7 +300,7 @@ def bench(a) -> None:
     labels = [b.strip() for b in a.budgets.split(",") if b.strip()]
     limits = {b: budgets.parse_size(b, target.file_size) for b in labels}
     draft_ns = [int(n) for n in a.draft_ns.split(",") if n.strip()]
-    evaluation = humaneval.prompts(humaneval.evaluation_ids(a.prompts))
+    evaluation = humaneval.prompts((humaneval.tuning_ids if a.on_tuning else humaneval.evaluation_ids)(a.prompts))
     tune = SPECULATIVE in configs and len(draft_ns) > 1  # one value given: nothing to tune
     tuning = humaneval.prompts(humaneval.tuning_ids(a.tune_prompts)) if tune else []
     for (task, _), n in zip(evaluation + tuning, prompt_lengths(target_path, [p for _, p in evaluation + tuning])):
@@ -304,6 +311,7 @@ def bench(a) -> None:
         from flexoffload import profile as profiler
 
         profiler.measure(target, a.threads)  # measured once, outside the budget, as `flexoffload bench` does
+        profiler.measure(load(draft_path), a.threads)  # the draft's speed: whether speculation pays (auto)
     if not budgets.drop_page_cache():
         print("bench_spec: cannot drop the page cache here (needs root): runs after the first start warm",
               file=sys.stderr)

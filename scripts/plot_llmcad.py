@@ -19,10 +19,11 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-ORDER = ("stream", "mmap", "llama-speculative", "chain", "tree-pipeline", "tree-no-adaptive", "tree-no-pacer",
-         "tree")
+ORDER = ("stream", "mmap", "llama-speculative", "auto", "chain", "tree-pipeline", "tree-no-adaptive",
+         "tree-no-pacer", "tree")
 STYLE = {"stream": dict(color="tab:gray", marker="s"), "mmap": dict(color="black", marker="x", linestyle=":"),
          "llama-speculative": dict(color="tab:orange", marker="^"), "chain": dict(color="tab:green", marker="v"),
+         "auto": dict(color="tab:red", marker="D", linestyle="-."),
          "tree": dict(color="tab:blue", marker="o", linewidth=2.2),
          "tree-no-pacer": dict(color="tab:purple", marker=".", linestyle="--"),
          "tree-no-adaptive": dict(color="tab:brown", marker=".", linestyle="--"),

@@ -9,6 +9,7 @@ from dataclasses import replace
 import pytest
 
 from flexoffload import engine, models, speculate, synth
+from flexoffload.model import load
 from flexoffload.speculate import Branch, Node, Options
 
 from conftest import cli
@@ -143,7 +144,7 @@ def test_sampled_tree_output_is_distributed_as_the_target(tiny_pair):
     base = engine.Settings(n_ctx=128, n_batch=64, temp=1.0, strategy="mmap")
     n = 400
     spec, alone = Counter(), Counter()
-    with engine.Engine(draft, speculate.draft_settings(base)) as d, \
+    with engine.Engine(draft, speculate.draft_settings(base, load(draft))) as d, \
             engine.Engine(target, speculate.target_settings(base)) as t:
         s = speculate.Speculator(t, d, Options(threshold=0.05))
         accepted = 0
@@ -184,7 +185,7 @@ def test_real_greedy_speculation_equals_the_target_streaming_alone(real_model, d
         common = ["-m", str(real_model), "-p", prompt, "-n", "40", "-c", "512", "-b", "64", "--temp", "0",
                   "--mem", "1.0x", "--json"]
         alone = json.loads(cli("run", *common, check=True).stdout)
-        tree = json.loads(cli("run", *common, "-md", str(draft_model), check=True).stdout)
+        tree = json.loads(cli("run", *common, "-md", str(draft_model), "--draft-always", check=True).stdout)
         assert tree["tokens"] == alone["tokens"]
         assert tree["strategy"] == "stream+tree"
         t = tree["timings"]
@@ -240,6 +241,27 @@ def test_real_verification_pass_without_tiled_kernels_equals_one_token_passes(re
 
 
 @pytest.mark.integration
+def test_real_draft_reads_its_token_embd_by_rows(draft_model):
+    """The 0.5B draft has an output matrix of its own, so its token_embd (89 MiB) is only looked up: it is read a
+    row per token, never kept, and the draft's tokens are those of the draft loaded whole."""
+    from flexoffload import budget, costmodel, stream
+
+    model = load(draft_model)
+    assert speculate.draft_by_rows(model) == ["token_embd.weight"]
+    embd = next(t for t in model.tensors if t.name == "token_embd.weight")
+    kept = budget.resident_bytes(model, 512, 64, 16) - budget.resident_bytes(model, 512, 64, 16, [embd.name])
+    assert kept == embd.n_bytes - costmodel.rows_memory(embd)
+    base = engine.Settings(n_ctx=512, n_batch=64, temp=0.0, strategy="mmap")
+    ref = _alone(draft_model, base, PROMPTS[0], 16)
+    stream.reset_stats()
+    got = _alone(draft_model, speculate.draft_settings(base, model), PROMPTS[0], 16)
+    assert got.tokens == ref.tokens
+    read = stream.stats().bytes_read
+    rows = got.n_prompt + got.n_gen - 1  # every token the draft decoded was looked up once
+    assert read == rows * costmodel.row_bytes(embd)
+
+
+@pytest.mark.integration
 @pytest.mark.parametrize("max_nodes", [4, 8, 16])
 def test_real_greedy_speculation_equals_the_target_at_any_tree_size(real_model, draft_model, max_nodes):
     """Tree sizes change which kernels and which KV cells a verification uses: output stays the target's."""
@@ -252,10 +274,17 @@ def test_real_greedy_speculation_equals_the_target_at_any_tree_size(real_model, 
 
 
 @pytest.mark.integration
-def test_real_speculation_says_when_the_target_fits_by_itself(real_model, draft_model):
-    common = ["-m", str(real_model), "-md", str(draft_model), "-p", "def f():", "-n", "1", "-c", "512", "-b", "64",
-              "--temp", "0"]
-    roomy = cli("run", *common, "--mem", "1.3x", check=True)
-    assert "fits in --mem by itself" in roomy.stderr
-    tight = cli("run", *common, "--mem", "0.8x", check=True)
-    assert "fits in --mem by itself" not in tight.stderr
+def test_real_speculation_runs_the_target_alone_where_that_is_predicted_faster(real_model, draft_model):
+    """At 1.3x the target alone streams little, and the draft's memory would make it stream much more: `run -md`
+    says so and runs the target alone; --draft-always speculates all the same, to the same tokens."""
+    common = ["-m", str(real_model), "-md", str(draft_model), "-p", "def f():", "-n", "8", "-c", "512", "-b", "64",
+              "--temp", "0", "--mem", "1.3x", "--json"]
+    alone = cli("run", *common, check=True)
+    assert "the target alone is predicted faster" in alone.stderr
+    alone_out = json.loads(alone.stdout)
+    assert "draft" not in alone_out and "n_verify" not in alone_out["timings"]
+    forced = cli("run", *common, "--draft-always", check=True)
+    assert "predicted faster" not in forced.stderr
+    forced_out = json.loads(forced.stdout)
+    assert forced_out["draft"]["path"] == str(draft_model) and forced_out["timings"]["n_verify"] >= 1
+    assert forced_out["tokens"] == alone_out["tokens"]
