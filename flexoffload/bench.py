@@ -72,9 +72,15 @@ def run(model_spec, mems, strategies, repetitions, n_predict, prompt, n_ctx, n_t
     total = len(budgets_bytes) * len(strategies) * repetitions
     with tqdm(total=total, desc="bench", unit="run", file=sys.stderr, disable=None) as bar:
         for label, limit in budgets_bytes:
-            for strategy in strategies:
-                speeds, ttfts, peaks, error, enforced, plan = [], [], [], "", True, {}
-                for _ in range(repetitions):
+            # the strategies in turn within each repetition, not one strategy's repetitions in a row: the disk's
+            # speed drifts over minutes here, and this spreads the drift over all strategies alike
+            runs = {name: [] for name in strategies}
+            errors = {}
+            for _ in range(repetitions):
+                for strategy in strategies:
+                    bar.update(1)
+                    if strategy in errors:
+                        continue
                     bar.set_postfix_str(f"{label} {strategy}")
                     args = ["-m", str(path), "-p", prompt or DEFAULT_PROMPT, "-n", str(n_predict), "-c", str(n_ctx),
                             "-t", str(n_threads), "--temp", "0", "--mem", str(limit), *run_args(strategy), "--json"]
@@ -85,26 +91,23 @@ def run(model_spec, mems, strategies, repetitions, n_predict, prompt, n_ctx, n_t
                         raise FlexoffloadError(f"bench needs enforced budgets: {e}") from None
                     try:
                         with cgroup:
-                            result = run_in_cgroup(cgroup, args, quiet=True)
+                            runs[strategy].append(run_in_cgroup(cgroup, args, quiet=True))
                     except FlexoffloadError as e:
-                        error = str(e)
-                        bar.update(repetitions - len(speeds))
-                        break
-                    speeds.append(result["decode_tok_s"])
-                    ttfts.append(result["ttft_s"])
-                    peaks.append(result["peak_mem_mb"])
-                    enforced = enforced and result["enforced"]
-                    plan = result.get("plan") or {}
-                    bar.update(1)
+                        errors[strategy] = str(e)
+            for strategy in strategies:
+                results = runs[strategy]
+                speeds = [r["decode_tok_s"] for r in results]
+                plan = (results[-1].get("plan") or {}) if results else {}
                 rows.append(Row(
                     model=model.path.name, size_mb=model.file_size / MiB, budget=label, budget_mb=limit / MiB,
                     strategy=strategy, runs=len(speeds),
                     tok_s_mean=statistics.fmean(speeds) if speeds else 0.0,
                     tok_s_sd=statistics.stdev(speeds) if len(speeds) > 1 else 0.0,
-                    ttft_s_mean=statistics.fmean(ttfts) if ttfts else 0.0,
-                    peak_mb=max(peaks) if peaks else 0.0, enforced=enforced,
+                    ttft_s_mean=statistics.fmean(r["ttft_s"] for r in results) if results else 0.0,
+                    peak_mb=max((r["peak_mem_mb"] for r in results), default=0.0),
+                    enforced=all(r["enforced"] for r in results),
                     predicted_tok_s=plan.get("predicted_tok_s", 0.0), roofline_tok_s=plan.get("roofline_tok_s", 0.0),
-                    error=error))
+                    error=errors.get(strategy, "")))
             if profile is not None:
                 rows.append(roofline_row(model, profile, label, limit, n_ctx))
     return rows

@@ -83,7 +83,8 @@ def resident_bytes(model, n_ctx: int, n_batch: int, n_outputs: int = 1, by_rows=
     few rows instead of themselves."""
     from .costmodel import rows_memory
 
-    rows = [t for t in model.tensors if t.name in set(by_rows)]
+    by_rows = set(by_rows)
+    rows = [t for t in model.tensors if t.name in by_rows]
     weights = model.weight_bytes - sum(t.n_bytes for t in rows) + sum(rows_memory(t) for t in rows)
     return (weights + VOCAB_BYTES_PER_TOKEN * model.n_vocab + model.kv_cache_bytes(n_ctx)
             + compute_buffer_bytes(model, n_ctx, n_batch, n_outputs))

@@ -201,7 +201,8 @@ def run(model_spec, prompt, prompt_file, n_predict, ctx_size, batch_size, thread
                 args += ["-md", str(draft_model.path), "--draft-p-split", str(draft_p_split), "--spec", spec_mode]
                 args += ["--draft-max", str(draft_max)] if draft_max is not None else []
                 args += [flag for flag, on in (("--no-pacer", no_pacer), ("--no-adaptive", no_adaptive),
-                                               ("--pipeline", pipeline), ("--draft-always", draft_always)) if on]
+                                               ("--pipeline", pipeline)) if on]
+                args += ["--draft-always"]  # decided above: speculation pays here, or was asked for
             with cgroup:
                 result = run_in_cgroup(cgroup, args)
             result["budget_mb"] = limit / MiB

@@ -90,6 +90,20 @@ class _Log:
         return self.lines[-1].strip() if self.lines else "no log"
 
 
+def drop_file_cache(path) -> None:
+    """Give back the page cache that reading a file left behind (posix_fadvise DONTNEED).
+
+    Resident tensors are read into their own locked memory, so the page cache their reading fills is of no more
+    use, but a memory cgroup charges it and stays at its limit. There every read from then on waited for the
+    kernel to reclaim: the 1.5B at 0.7x of its size streamed at 2.2-2.4 tok/s in a cgroup of 1.0x, and at
+    3.6-3.7 with this cache given back (3.8 outside any cgroup)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
 def raise_memlock_limit() -> int:
     """Raise RLIMIT_MEMLOCK's soft limit to the hard limit (what an unprivileged process may lock); returns it.
 
@@ -136,6 +150,8 @@ class Engine:
         self.model = lib.llama_model_load_from_file(str(model_path).encode(), mparams)
         if not self.model:
             raise FlexoffloadError(f"llama.cpp could not load {model_path}: {self.log.last_error()}")
+        if settings.strategy != "mmap":
+            drop_file_cache(model_path)
 
         cparams = lib.llama_context_default_params()
         cparams.n_ctx = settings.n_ctx

@@ -279,10 +279,10 @@ def test_real_speculation_runs_the_target_alone_where_that_is_predicted_faster(r
     says so and runs the target alone; --draft-always speculates all the same, to the same tokens."""
     common = ["-m", str(real_model), "-md", str(draft_model), "-p", "def f():", "-n", "8", "-c", "512", "-b", "64",
               "--temp", "0", "--mem", "1.3x", "--json"]
-    alone = cli("run", *common, check=True)
+    alone = cli("run", *common, "--enforce", check=True)  # decided before the cgroup's run, which has no -md
     assert "the target alone is predicted faster" in alone.stderr
     alone_out = json.loads(alone.stdout)
-    assert "draft" not in alone_out and "n_verify" not in alone_out["timings"]
+    assert alone_out["enforced"] and "draft" not in alone_out and "n_verify" not in alone_out["timings"]
     forced = cli("run", *common, "--draft-always", check=True)
     assert "predicted faster" not in forced.stderr
     forced_out = json.loads(forced.stdout)
