@@ -206,6 +206,18 @@ class MemoryCgroup:
         except OSError:
             return 0
 
+    def faults(self) -> dict:
+        """What memory pressure cost the cgroup's processes (v2 memory.stat): major page faults, and refaults of
+        file pages (code, libraries) that the kernel reclaimed and had to read again. Both near zero unless the
+        run was squeezed at its limit. Empty on v1."""
+        try:
+            lines = (self.path / "memory.stat").read_text().splitlines()
+        except OSError:
+            return {}
+        stat = dict(line.split()[:2] for line in lines if len(line.split()) >= 2)
+        names = {"pgmajfault": "major_faults", "workingset_refault_file": "refaults_file"}
+        return {ours: int(stat[theirs]) for theirs, ours in names.items() if theirs in stat}
+
     def oom_killed(self) -> bool:
         """Whether the kernel's OOM killer stopped a process of this cgroup (its `oom_kill` count)."""
         name = "memory.events" if self.version == "v2" else "memory.oom_control"

@@ -251,7 +251,7 @@ def run_in_cgroup(cgroup, run_args: list[str], quiet: bool = False) -> dict:
             last = (err or "").strip().splitlines()[-1:] or [f"exit {proc.returncode}"]
             raise FlexoffloadError(f"the run failed under the cgroup: {last[0].removeprefix('Error: ')}")
         result = json.loads(result_file.read_text())
-    result.update(peak_mem_mb=cgroup.peak() / MiB, peak_source="cgroup", enforced=True)
+    result.update(peak_mem_mb=cgroup.peak() / MiB, peak_source="cgroup", enforced=True, faults=cgroup.faults())
     return result
 
 

@@ -198,7 +198,12 @@ def test_a_chunked_tensor_holds_its_chunks_in_flight_and_reads_all(model):
         assert whole.window_bytes(everything_but_head, window) == sizes["output.weight"] + rows
     head = [s for s in pipe.stages(everything_but_head) if s.name == "output"][0]
     assert head.streamed_bytes == sizes["output.weight"] and head.held_bytes == 1 << 20
-    assert head.read_s == pytest.approx(prof.read_seconds(sizes["output.weight"], 4, 4))
+    # the two chunks it holds are read ahead; the other two only while it computes, one as one before is done
+    half = sizes["output.weight"] // 2
+    assert head.read_s == pytest.approx(prof.read_seconds(half, 2, 4))
+    assert head.late_read_s == pytest.approx(prof.read_seconds(half, 2, 2))
+    assert pipe.predict(everything_but_head, 1).read_s == pytest.approx(
+        sum(s.read_s + s.late_read_s for s in pipe.stages(everything_but_head)))
     # everything streamed: gate and up (3 MiB, 1536 rows of 2 KiB) hold two chunks of 256 rows, down (512 rows of
     # 6 KiB) two of 64, attention q and output (1 MiB) two halves: all of them
     small = always_resident(model)
@@ -247,3 +252,16 @@ def test_profile_round_trips_and_types_cost_their_own():
     prof = Profile(disk_bw=1e9, sec_per_byte={"Q6_K": 2e-10}, default_sec_per_byte=1e-10)
     assert Profile.from_dict(prof.to_dict()) == prof
     assert math.isclose(prof.seconds_per_byte("Q6_K"), 2e-10) and math.isclose(prof.seconds_per_byte("Q4_0"), 1e-10)
+
+
+def test_late_reads_are_not_hidden_behind_other_stages():
+    """A stage's late reads start with its compute: a big window hides its ahead read behind the other stages'
+    compute, never its late one, and the disk reads nothing else meanwhile."""
+    computes = [1.0, 1.0, 1.0]
+    ahead = [Stage("s0", 1.0, 0.0, 0, 0), Stage("s1", 1.0, 0.0, 0, 0), Stage("s2", 1.0, 2.0, 2000, 1)]
+    late = ahead[:2] + [Stage("s2", 1.0, 0.0, 2000, 1, 0, 2.0)]
+    assert simulate(ahead, 2).seconds_per_token == pytest.approx(sum(computes))
+    assert simulate(late, 2).seconds_per_token == pytest.approx(sum(computes) + 1.0)  # max(compute, late) for s2
+    p = simulate(late, 2)
+    s2 = p.stages[2]
+    assert s2.read_end == pytest.approx(s2.compute_start + 2.0) and s2.compute_end == pytest.approx(s2.read_end)

@@ -17,7 +17,8 @@ the model, so a partial kind does not pile up in neighbouring layers. Every cand
 Where token_embd is resident, every fill is also made from the same start with it streamed: the runtime reads only
 the rows a pass looks up, so streaming it costs a small read a token and gives nearly all its bytes to the layers.
 Likewise where the output matrix is resident and large enough to stream in chunks (costmodel.held_bytes): from a
-start with it (and token_embd) streamed, it holds a few chunks of window instead of itself.
+start with it (and token_embd) streamed, it holds a few chunks of window instead of itself. That plan is taken
+only where it is predicted faster by OUTPUT_MARGIN: streamed, the output measured slower than predicted.
 
 The paper's heuristics are candidates too, so this never predicts slower than any of them at the same capacity.
 Without them, on the 1.5B and a 7B-shaped table over windows 0-8 and 20-105% of the weights, the fills alone are
@@ -32,6 +33,13 @@ import heapq
 from itertools import combinations
 
 from ..costmodel import Pipeline, Profile
+
+# How much faster the cost model must predict a plan that streams an output matrix the budget could keep, to take
+# it. Measured on the 1.5B (2026-11-23, one process, plans in turn): at 0.5x, output streamed (chunked) 1.2-2.9
+# tok/s, mean 2.1 over 10 runs, kept 2.3-3.1, mean 2.9 over 7, where the model predicted 3% for streaming it; at
+# 0.7x, streamed 2.11 and 3.65, kept 3.66 and 4.01 (predicted 3% for streaming). The chunks it cannot read ahead
+# (costmodel.Stage.late_read_s) explain only part of that.
+OUTPUT_MARGIN = 0.10
 from ..model import Model, Tensor
 from . import Ledger, base, layer_pool
 
@@ -46,15 +54,25 @@ def plan(model: Model, capacity: int, profile: Profile, window: int, io_threads:
     if by_rows and capacity < model.weight_bytes:  # something streams: try token_embd streamed by rows too
         candidates += _fills(model, pipe, Ledger(model, ledger.resident - by_rows, capacity, window), window)
     # a resident output matrix that streams in chunks holds only a few of them in window: try it streamed too
-    chunked = {t.name for t in model.tensors if t.kind == "output" and t.name in ledger.resident
-               and pipe.held[t.name] < t.n_bytes}
-    if chunked and capacity < model.weight_bytes:
-        candidates += _fills(model, pipe, Ledger(model, ledger.resident - by_rows - chunked, capacity, window), window)
     candidates += [policy(model, capacity, profile, window, io_threads)
                    for name, policy in POLICIES.items() if name != "balanced"]
     sizes = {t.name: t.n_bytes for t in model.tensors}
-    unique = {frozenset(r): r for r in candidates}.values()
-    return min(unique, key=lambda r: (pipe.seconds(r, window), -sum(sizes[n] for n in r)))
+
+    def best(sets):
+        unique = {frozenset(r): r for r in sets}.values()
+        return min(unique, key=lambda r: (pipe.seconds(r, window), -sum(sizes[n] for n in r)))
+
+    kept = best(candidates)
+    chunked = {t.name for t in model.tensors if t.kind == "output" and t.name in ledger.resident
+               and pipe.held[t.name] < t.n_bytes}
+    if not chunked or capacity >= model.weight_bytes:
+        return kept
+    streamed = best(_fills(model, pipe, Ledger(model, ledger.resident - by_rows - chunked, capacity, window), window))
+    # the output streamed only where the cost model says it pays by OUTPUT_MARGIN: a streamed output ran slower
+    # than it predicts (see OUTPUT_MARGIN)
+    if pipe.seconds(streamed, window) * (1 + OUTPUT_MARGIN) < pipe.seconds(kept, window):
+        return streamed
+    return kept
 
 
 def _fills(model: Model, pipe: Pipeline, ledger: Ledger, window: int) -> list[set[str]]:

@@ -1,0 +1,53 @@
+"""The disk profile reads as the streaming runtime does."""
+
+import pytest
+
+from flexoffload import costmodel, profile, synth
+from flexoffload.model import load
+from flexoffload.planners import is_small
+
+# 8 layers, F32: attn_q/attn_output 1 MiB, FFN 3 MiB each, token_embd/output 2 MiB; attn_k/v 256 KiB (small)
+SHAPE = synth.Shape(n_layer=8, n_embd=512, n_ff=1536, n_head=8, n_head_kv=2, n_vocab=1024, n_ctx_train=512)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return load(synth.write(tmp_path_factory.mktemp("models") / "eight.gguf", SHAPE, "F32"))
+
+
+def test_read_requests_cover_every_streamable_tensor_aligned(model):
+    chunk = 512 << 10  # the tiny model's 2 MiB output then reads in four chunks, as the runtime would
+    requests = profile.read_requests(model, max_bytes=1 << 30, chunk_bytes=chunk)
+    assert all(off % profile.ALIGN == 0 and n % profile.ALIGN == 0 and off + n < model.file_size + profile.ALIGN
+               for off, n in requests)
+    matmul = [t for t in model.tensors if t.kind in costmodel.MATMUL_KINDS and not is_small(t)]
+    assert {t.kind for t in matmul} == {"attn_q", "attn_output", "ffn_gate", "ffn_up", "ffn_down", "output"}
+    for t in matmul:  # every byte of every tensor a matmul reads is in a request
+        covered = [(off, n) for off, n in requests if off < t.offset + t.n_bytes and t.offset < off + n]
+        assert covered and min(o for o, _ in covered) <= t.offset
+        assert max(o + n for o, n in covered) >= t.offset + t.n_bytes
+        assert len(covered) >= costmodel.read_requests(t, chunk)
+    output = next(t for t in model.tensors if t.kind == "output")
+    inside = [n for off, n in requests if output.offset <= off < output.offset + output.n_bytes]
+    assert len(inside) >= 3 and max(inside) <= chunk + 2 * profile.ALIGN
+    # small tensors (resident in every plan) and token_embd (read by rows) are not read
+    for t in model.tensors:
+        if is_small(t) and t.n_bytes > 2 * profile.ALIGN:
+            assert not any(t.offset + profile.ALIGN <= off < t.offset + t.n_bytes - profile.ALIGN for off, _ in requests)
+    embd = next(t for t in model.tensors if t.kind == "token_embd")
+    assert not any(embd.offset + profile.ALIGN <= off < embd.offset + embd.n_bytes - profile.ALIGN
+                   for off, _ in requests)
+
+
+def test_read_requests_sample_the_file_within_max_bytes(model):
+    everything = profile.read_requests(model, max_bytes=1 << 30)
+    some = profile.read_requests(model, max_bytes=sum(n for _, n in everything) // 3)
+    assert 0 < sum(n for _, n in some) < sum(n for _, n in everything)
+    assert max(off for off, _ in some) > model.file_size // 2  # spread over the file, not its start
+
+
+def test_disk_speed_measures_the_file(model, tiny_model):
+    disk = profile.disk_speed(model, passes=2)
+    assert disk.bandwidth > 1e6 and 0 < disk.latency < 1
+    with pytest.raises(profile.FlexoffloadError, match="no tensor"):  # everything small: nothing ever streams
+        profile.disk_speed(load(tiny_model))
