@@ -129,7 +129,7 @@ def plan_for_run(model, strategy: str, policy: str, plan_dir: str | None, budget
 @click.option("--no-pacer", is_flag=True, help="grow branches in turn, not by confidence (ablation)")
 @click.option("--no-adaptive", is_flag=True, help="verify only at the node budget, not on low confidence (ablation)")
 @click.option("--pipeline/--no-pipeline", default=False, show_default=True,
-              help="draft on while the target verifies (measured slower on 2 cores: off by default)")
+              help="draft on while the target verifies, under SCHED_IDLE (within noise on 2 cores: off by default)")
 @click.option("--draft-always", is_flag=True,
               help="speculate even where the target alone is predicted faster at --mem [default: run it alone]")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object instead of text and timings")

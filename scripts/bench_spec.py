@@ -85,6 +85,8 @@ class Row:
     draft_s: float = 0.0
     target_compute_s: float = 0.0
     io_stall_s: float = 0.0
+    pipeline_draft_s: float = 0.0  # drafting during the target's passes (tree-pipeline)
+    n_reused: int = 0  # tokens drafted during the target's passes and kept
     draft_n: int = 0  # llama-speculative's --spec-draft-n-max; flexoffload's --draft-max when given
     matches_target: str = ""  # yes / no against the target alone's greedy output; empty when there is none
     wall_s: float = 0.0
@@ -148,7 +150,7 @@ def flex_row(row: Row, result: dict) -> tuple[Row, dict]:
     row.decode_tok_s, row.ttft_s = result["decode_tok_s"], result["ttft_s"]
     row.peak_mb, row.enforced, row.wall_s = result["peak_mem_mb"], result["enforced"], result["wall_s"]
     for name in ("tokens_per_pass", "acceptance_rate", "tree_size_mean", "tree_size_max", "n_verify", "draft_s",
-                 "target_compute_s"):
+                 "target_compute_s", "pipeline_draft_s", "n_reused"):
         setattr(row, name, t.get(name, 0) or 0)
     row.io_stall_s = t.get("io_stall_s", t.get("stream_stall_s", 0)) or 0  # the target alone: its stream stall
     return row, {"text": result["text"], "tokens": result["tokens"], "stop": result.get("stop", "")}
@@ -209,8 +211,8 @@ def summary(rows: list[Row], configs: list[str], labels: list[str], header: str,
         cells = [f"{_mean([r.decode_tok_s for r in ok(b, c)]):.2f}" if ok(b, c) else "-" for c in configs]
         lines.append(f"| {b} ({budget_mb.get(b, 0):.0f} MiB) | " + " | ".join(cells) + " |")
     lines += ["", "| budget | config | ok | tok/s | ttft s | peak MiB | tokens/pass | acceptance | tree mean/max | "
-              "draft s | target s | stall s | identical | error |",
-              "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+              "draft s | target s | stall s | drafted in passes s / kept | identical | error |",
+              "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
     for b in labels:
         for c in configs:
             runs = [r for r in ev if r.budget == b and r.config == c]
@@ -229,7 +231,7 @@ def summary(rows: list[Row], configs: list[str], labels: list[str], header: str,
                 f"{max([r.peak_mb for r in good], default=0):.0f} | {m('tokens_per_pass'):.2f} | "
                 f"{m('acceptance_rate'):.2f} | {m('tree_size_mean'):.1f}/{tree_max:.0f} | "
                 f"{m('draft_s'):.1f} | {m('target_compute_s'):.1f} | {m('io_stall_s'):.1f} | "
-                f"{same.count('yes')}/{len(same)} | {'; '.join(errors)[:160]} |")
+                f"{m('pipeline_draft_s'):.1f} / {m('n_reused'):.1f} | {same.count('yes')}/{len(same)} | {'; '.join(errors)[:160]} |")
     tune = sorted({r.prompt for r in rows if r.phase == "tune"}, key=lambda p: int(p.rpartition("/")[2]))
     if tuned and tune:
         tried = sorted({r.draft_n for r in rows if r.phase == "tune"})

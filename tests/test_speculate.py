@@ -3,6 +3,7 @@ alone, sampled output distributed as the target's."""
 
 import json
 import math
+import os
 from collections import Counter
 from dataclasses import replace
 
@@ -97,6 +98,42 @@ def test_greedy_tree_output_equals_the_target_alone(tiny_pair, name, strategy, w
         if strategy == "prefetch":  # one pass over the streamed weights per verification, none read twice
             assert t["stream_rereads"] == 0
             assert t["stream_passes"] == t["n_verify"] + 1  # + the prompt
+
+
+def test_a_draft_step_the_pipeline_aborts_leaves_the_draft_cache_as_it_was(tiny_pair):
+    """When the target's pass ends, the pipeline aborts the draft's step under way: its tokens leave no cells."""
+    target, draft = tiny_pair[0], tiny_pair[1]["shallow"]
+    settings = engine.Settings(n_ctx=256, n_batch=64, temp=0.0, strategy="mmap")
+    with engine.Engine(draft, speculate.draft_settings(settings, load(draft))) as d, \
+            engine.Engine(target, speculate.target_settings(settings, 8)) as t:
+        spec = speculate.Speculator(t, d, Options(pipeline=True, max_nodes=8))
+        spec.generate("hello world", 8)  # sets up the batches and the history
+        lib = spec.lib
+        mem = lib.llama_get_memory(d.ctx)
+        before = lib.llama_memory_seq_pos_max(mem, 0)
+        tokens = d.tokenize("a b c d e")
+        spec._dbatch = speculate._Batch(lib, d.n_batch, 1)  # generate freed its own
+        lib.llama_set_abort_callback(d.ctx, spec._abort, None)
+        try:
+            spec._target_done = True  # the target's pass is over
+            assert spec._draft_decode(tokens, before + 1, 0) is None
+            assert lib.llama_memory_seq_pos_max(mem, 0) == before
+            spec._target_done = False  # a pass under way: the step runs
+            assert spec._draft_decode(tokens, before + 1, 0) is not None
+            assert lib.llama_memory_seq_pos_max(mem, 0) == before + len(tokens)
+        finally:
+            lib.llama_set_abort_callback(d.ctx, lib.ggml_abort_callback(), None)
+            spec._dbatch.free()
+
+
+def test_the_pipeline_thread_goes_idle_and_back():
+    before = os.sched_getscheduler(0), os.sched_getparam(0).sched_priority
+    saved = speculate._idle_thread()
+    try:
+        assert saved == before and os.sched_getscheduler(0) == os.SCHED_IDLE
+    finally:
+        speculate._restore_thread(saved)
+    assert (os.sched_getscheduler(0), os.sched_getparam(0).sched_priority) == before
 
 
 def test_trees_branch_and_the_draft_is_accepted(tiny_pair):
