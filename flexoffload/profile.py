@@ -35,11 +35,12 @@ class DiskSpeed:
 
 def read_requests(model: Model, max_bytes: int, chunk_bytes: int = CHUNK_BYTES) -> list[tuple[int, int]]:
     """The (offset, length) requests one streamed pass issues, O_DIRECT-aligned: a request per tensor a matrix
-    multiplication reads (small ones stay resident in every plan), a request per chunk of one larger than
-    chunk_bytes; tensors in file order, spread over the file, at most max_bytes of them."""
+    multiplication reads (not the small ones, resident in every plan, unless all are small), a request per chunk
+    of one larger than chunk_bytes; tensors in file order, spread over the file, at most max_bytes of them."""
     from .planners import is_small
 
-    tensors = [t for t in model.tensors if t.kind in MATMUL_KINDS and not is_small(t)]  # what a plan streams
+    matmul = [t for t in model.tensors if t.kind in MATMUL_KINDS]
+    tensors = [t for t in matmul if not is_small(t)] or matmul  # what a plan streams; a tiny model: all of them
     total = sum(t.n_bytes for t in tensors)
     step = max(1, round(total / max_bytes)) if total > max_bytes else 1
     requests = []

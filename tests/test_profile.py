@@ -49,5 +49,6 @@ def test_read_requests_sample_the_file_within_max_bytes(model):
 def test_disk_speed_measures_the_file(model, tiny_model):
     disk = profile.disk_speed(model, passes=2)
     assert disk.bandwidth > 1e6 and 0 < disk.latency < 1
-    with pytest.raises(profile.FlexoffloadError, match="no tensor"):  # everything small: nothing ever streams
-        profile.disk_speed(load(tiny_model))
+    tiny = load(tiny_model)  # every tensor small: it reads them all the same
+    assert len(profile.read_requests(tiny, 1 << 30)) == sum(t.kind in costmodel.MATMUL_KINDS for t in tiny.tensors)
+    assert profile.disk_speed(tiny, passes=1).bandwidth > 0
