@@ -100,6 +100,9 @@ def test_enforced_run_reports_the_cgroup_peak(tiny_model):
     out = json.loads(r.stdout)
     assert out["enforced"] is True and out["peak_source"] == "cgroup"
     assert 0 < out["peak_mem_mb"] <= 600
+    # memory.stat's faults, small for a tiny model far below its budget
+    assert set(out["faults"]) == {"major_faults", "refaults_file"}
+    assert all(0 <= n < 10_000 for n in out["faults"].values())
 
 
 def test_info(tiny_model):

@@ -33,6 +33,8 @@ import heapq
 from itertools import combinations
 
 from ..costmodel import Pipeline, Profile
+from ..model import Model, Tensor
+from . import Ledger, base, layer_pool
 
 # How much faster the cost model must predict a plan that streams an output matrix the budget could keep, to take
 # it. Measured on the 1.5B (2026-11-23, one process, plans in turn): at 0.5x, output streamed (chunked) 1.2-2.9
@@ -40,8 +42,6 @@ from ..costmodel import Pipeline, Profile
 # 0.7x, streamed 2.11 and 3.65, kept 3.66 and 4.01 (predicted 3% for streaming). The chunks it cannot read ahead
 # (costmodel.Stage.late_read_s) explain only part of that.
 OUTPUT_MARGIN = 0.10
-from ..model import Model, Tensor
-from . import Ledger, base, layer_pool
 
 
 def plan(model: Model, capacity: int, profile: Profile, window: int, io_threads: int) -> set[str]:
@@ -53,7 +53,6 @@ def plan(model: Model, capacity: int, profile: Profile, window: int, io_threads:
     by_rows = {name for name in pipe.rows if name in ledger.resident}
     if by_rows and capacity < model.weight_bytes:  # something streams: try token_embd streamed by rows too
         candidates += _fills(model, pipe, Ledger(model, ledger.resident - by_rows, capacity, window), window)
-    # a resident output matrix that streams in chunks holds only a few of them in window: try it streamed too
     candidates += [policy(model, capacity, profile, window, io_threads)
                    for name, policy in POLICIES.items() if name != "balanced"]
     sizes = {t.name: t.n_bytes for t in model.tensors}
@@ -63,13 +62,13 @@ def plan(model: Model, capacity: int, profile: Profile, window: int, io_threads:
         return min(unique, key=lambda r: (pipe.seconds(r, window), -sum(sizes[n] for n in r)))
 
     kept = best(candidates)
+    # a resident output matrix that streams in chunks holds only a few of them in window: try it streamed too,
+    # and take that only where the cost model says it pays by OUTPUT_MARGIN
     chunked = {t.name for t in model.tensors if t.kind == "output" and t.name in ledger.resident
                and pipe.held[t.name] < t.n_bytes}
     if not chunked or capacity >= model.weight_bytes:
         return kept
     streamed = best(_fills(model, pipe, Ledger(model, ledger.resident - by_rows - chunked, capacity, window), window))
-    # the output streamed only where the cost model says it pays by OUTPUT_MARGIN: a streamed output ran slower
-    # than it predicts (see OUTPUT_MARGIN)
     if pipe.seconds(streamed, window) * (1 + OUTPUT_MARGIN) < pipe.seconds(kept, window):
         return streamed
     return kept
