@@ -228,7 +228,7 @@ class Speculator:
         self.stats.draft_s += time.perf_counter() - t0
         return probs
 
-    def _grow(self, branch: Branch, siblings: bool) -> list[Node]:
+    def _grow(self, branch: Branch, siblings: bool) -> list[Node] | None:
         """One draft step on a branch: decode what of its path the draft has not seen, then add the top candidate
         as its next node, and (siblings) every other candidate past the threshold as the start of a new branch.
         None, and nothing changed, if the pipeline aborted the step."""
@@ -378,12 +378,12 @@ class Speculator:
         try:
             self._draft_during()
         finally:
-            _restore_thread(policy)
-            self.stats.pipeline_draft_s += self.stats.draft_s - draft_s
-            self.stats.draft_s = draft_s
             lib.llama_set_abort_callback(self.draft.ctx, lib.ggml_abort_callback(), None)  # NULL: no callback
             worker.join()
             lib.llama_set_n_threads(self.draft.ctx, d, d)
+            self.stats.pipeline_draft_s += self.stats.draft_s - draft_s
+            self.stats.draft_s = draft_s
+            _restore_thread(policy)  # last: nothing above is skipped if it fails
 
     def _draft_during(self) -> None:
         """The speculative generation pipeline: while the target's pass runs, extend the most confident branch."""

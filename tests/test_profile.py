@@ -16,7 +16,7 @@ def model(tmp_path_factory):
 
 
 def test_read_requests_cover_every_streamable_tensor_aligned(model):
-    chunk = 512 << 10  # the tiny model's 2 MiB output then reads in four chunks, as the runtime would
+    chunk = 512 << 10  # the 2 MiB output then reads in four chunks, as the runtime would
     requests = profile.read_requests(model, max_bytes=1 << 30, chunk_bytes=chunk)
     assert all(off % profile.ALIGN == 0 and n % profile.ALIGN == 0 and off + n < model.file_size + profile.ALIGN
                for off, n in requests)
