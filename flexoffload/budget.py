@@ -209,8 +209,7 @@ class MemoryCgroup:
     def faults(self) -> dict:
         """What memory pressure cost the cgroup's processes (memory.stat, v1 or v2): major page faults, and
         refaults of file pages (code, libraries) that the kernel reclaimed and had to read again. Both stay small
-        unless the run is squeezed at its limit (a streamed 1.5B at 0.5x: 13 and about 3000 pages, all of them
-        while loading)."""
+        unless the run is squeezed at its limit."""
         try:
             lines = (self.path / "memory.stat").read_text().splitlines()
         except OSError:

@@ -25,8 +25,8 @@ it holds CHUNKS_IN_FLIGHT chunks of buffer at a time, not itself (`held_bytes`),
 A stage's window share is what its tensors hold (`Stage.held_bytes`), its read what they weigh. Only the chunks it
 holds can be read ahead; the rest is read while the stage computes, each chunk when one before it is done
 (`Stage.late_read_s`), and the disk does nothing else meanwhile. That part of a streamed output matrix is not
-hidden behind the layers' compute: measured on the 1.5B at 0.5x, a plan streaming it (chunked) ran at 1.2-2.9 tok/s
-and one keeping it resident at 2.3-3.1, over the same streamed bytes.
+hidden behind the layers' compute. Streamed, it still measures slower than this predicts (planners/balanced.py,
+OUTPUT_MARGIN).
 
 Simplifications: a stage computes only once all its tensors are in (the runtime waits per tensor, so it can start
 a little earlier; a chunked tensor's late chunks compute as they arrive, so their read overlaps its own compute); reads are bandwidth plus per-request latency, without seek or jitter; compute does not depend

@@ -29,8 +29,9 @@ ALIGN = 4096  # O_DIRECT wants offset, length and buffer aligned to the logical 
 
 @dataclass
 class DiskSpeed:
-    bandwidth: float  # bytes/s
+    bandwidth: float  # bytes/s: the median pass
     latency: float  # seconds for one small read
+    passes: tuple[float, ...] = ()  # bytes/s of each pass, in order
 
 
 def read_requests(model: Model, max_bytes: int, chunk_bytes: int = CHUNK_BYTES) -> list[tuple[int, int]]:
@@ -59,9 +60,9 @@ def disk_speed(model: Model, max_bytes: int = 768 << 20, io_threads: int = 4, pa
     read_requests), io_threads in flight, the same bytes read again pass after pass as every decoded token does;
     the median pass. Then the latency of single 4 KiB reads.
 
-    A pass's reads of the same bytes get faster after the first here (the virtual disk's host caches them: 0.9
-    GB/s for a first read of the 1.5B, 1.7-2.2 after), and the runtime reads them every token, so the median of
-    three passes is what it sees, where one cold sequential read said half of it."""
+    This disk's speed drifts over minutes (five passes over the 1.5B: 0.79-1.07 GB/s at one time,
+    results/disk_qwen1.5b.csv; the streaming runs read 1.3-2.2 GB/s at others), so the median of a few passes of
+    the runtime's own pattern, not one sequential read, is the number to plan with."""
     from concurrent.futures import ThreadPoolExecutor
 
     requests = read_requests(model, max_bytes)
@@ -100,7 +101,7 @@ def disk_speed(model: Model, max_bytes: int = 768 << 20, io_threads: int = 4, pa
         os.close(fd)
     if not rates or max(rates) <= 0:
         raise FlexoffloadError(f"cannot measure disk speed on {model.path}: nothing was read")
-    return DiskSpeed(bandwidth=statistics.median(rates), latency=latency)
+    return DiskSpeed(bandwidth=statistics.median(rates), latency=latency, passes=tuple(rates))
 
 
 def warm_page_cache(path: str | os.PathLike) -> None:

@@ -37,9 +37,9 @@ from ..model import Model, Tensor
 from . import Ledger, base, layer_pool
 
 # How much faster the cost model must predict a plan that streams an output matrix the budget could keep, to take
-# it. Measured on the 1.5B (2026-11-23, one process, plans in turn): at 0.5x, output streamed (chunked) 1.2-2.9
-# tok/s, mean 2.1 over 10 runs, kept 2.3-3.1, mean 2.9 over 7, where the model predicted 3% for streaming it; at
-# 0.7x, streamed 2.11 and 3.65, kept 3.66 and 4.01 (predicted 3% for streaming). The chunks it cannot read ahead
+# it. Measured on the 1.5B (scripts/compare_plans.py: one process, plans in turn, results/plans_qwen1.5b_0*x.csv):
+# at 0.5x, output streamed 1.78 tok/s mean over 4 runs, kept 2.35, where the model predicted 3% for streaming it;
+# at 0.7x, 1.95 against 3.13 over 3 (predicted 3% for streaming). The chunks it cannot read ahead
 # (costmodel.Stage.late_read_s) explain only part of that.
 OUTPUT_MARGIN = 0.10
 
