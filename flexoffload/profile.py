@@ -11,6 +11,7 @@ Profiles are kept in the cache per model file (name, size, mtime), so planning d
 
 from __future__ import annotations
 
+import ctypes
 import json
 import mmap
 import os
@@ -24,6 +25,7 @@ from .costmodel import CHUNK_BYTES, MATMUL_KINDS, Profile, chunk_rows, row_bytes
 from .model import Model
 from .models import cache_dir
 
+HUGE_PAGE = 2 << 20  # a transparent huge page on x86-64 and arm64 (4 KiB base pages)
 ALIGN = 4096  # O_DIRECT wants offset, length and buffer aligned to the logical block size; 4 KiB covers all
 
 
@@ -55,14 +57,28 @@ def read_requests(model: Model, max_bytes: int, chunk_bytes: int = CHUNK_BYTES) 
     return requests
 
 
+def huge_buffer(n: int) -> memoryview:
+    """n bytes of committed memory at a 2 MiB boundary, advised to be transparent huge pages, as the runtime's read
+    pool is (patch 0010): into scattered 4 KiB pages an O_DIRECT read goes out in block requests of under 1 MiB,
+    and this disk serves those markedly slower."""
+    buf = mmap.mmap(-1, n + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # shared memory is not THP
+    start = -ctypes.addressof(ctypes.c_char.from_buffer(buf)) % HUGE_PAGE
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        buf.madvise(mmap.MADV_HUGEPAGE)
+    view = memoryview(buf)[start:start + n]
+    view[::mmap.PAGESIZE] = b"\0" * len(view[::mmap.PAGESIZE])  # commit now, outside the timed reads
+    return view
+
+
 def disk_speed(model: Model, max_bytes: int = 768 << 20, io_threads: int = 4, passes: int = 3) -> DiskSpeed:
     """O_DIRECT bandwidth as the streaming runtime sees it: its requests (a tensor or a chunk each, see
     read_requests), io_threads in flight, the same bytes read again pass after pass as every decoded token does;
     the median pass. Then the latency of single 4 KiB reads.
 
-    This disk's speed drifts over minutes (five passes over the 1.5B: 0.79-1.07 GB/s at one time,
-    results/disk_qwen1.5b.csv; the streaming runs read 1.3-2.2 GB/s at others), so the median of a few passes of
-    the runtime's own pattern, not one sequential read, is the number to plan with."""
+    The reads go into huge pages, as the runtime's do (huge_buffer): into fresh 4 KiB pages five passes over the
+    1.5B read at 0.79-1.07 GB/s (results/disk_qwen1.5b.csv), into huge pages at 1.78-2.36 GB/s
+    (results/disk_qwen1.5b_huge.csv). The median of a few passes of the runtime's own pattern, not one sequential
+    read, is the number to plan with."""
     from concurrent.futures import ThreadPoolExecutor
 
     requests = read_requests(model, max_bytes)
@@ -74,11 +90,10 @@ def disk_speed(model: Model, max_bytes: int = 768 << 20, io_threads: int = 4, pa
         fd = os.open(model.path, os.O_RDONLY)
     try:
         largest = max(n for _, n in requests)
+        buffers = [huge_buffer(largest) for _ in range(io_threads)]
 
         def reader(k: int) -> int:
-            buf = mmap.mmap(-1, largest)  # anonymous mappings are page aligned
-            view = memoryview(buf)
-            return sum(os.preadv(fd, [view[:n]], off) for off, n in requests[k::io_threads])
+            return sum(os.preadv(fd, [buffers[k][:n]], off) for off, n in requests[k::io_threads])
 
         rates = []
         with ThreadPoolExecutor(io_threads) as pool:  # preadv releases the GIL
@@ -123,8 +138,9 @@ def compute_speed(path: str | os.PathLike, n_threads: int, n_tokens: int = 24) -
 
 def _cache_path(model: Model, n_threads: int) -> Path:
     st = model.path.stat()
-    # v2: the disk read as the runtime reads it (read_requests), not one cold sequential read
-    return cache_dir() / "profiles" / f"{model.path.name}-{st.st_size}-{int(st.st_mtime)}-t{n_threads}-v2.json"
+    # v2: the disk read as the runtime reads it (read_requests), not one cold sequential read; v3: into huge pages;
+    # v4: a tied output's matmul counted in the calibration
+    return cache_dir() / "profiles" / f"{model.path.name}-{st.st_size}-{int(st.st_mtime)}-t{n_threads}-v4.json"
 
 
 def measure(model: Model, n_threads: int, remeasure: bool = False) -> Profile:

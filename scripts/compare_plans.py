@@ -3,10 +3,12 @@
 
 `flexoffload bench` runs every strategy as a fresh process in a cgroup; this runs the plans of one budget back to
 back in one process (no cgroup), so that two resident sets that stream nearly the same bytes meet the disk in the
-same state. A plan is a policy name, or `balanced-kept` / `balanced-streamed`: balanced with the output matrix
-kept, or streamed, whatever the cost model's OUTPUT_MARGIN says.
+same state. A plan is a policy name (`none`: nothing but the small tensors resident, as prefetch), or
+`balanced-kept` / `balanced-streamed`: balanced with the output matrix kept, or streamed, whatever the cost model's
+OUTPUT_MARGIN says; `:wK` after it fixes the window at K instead of the fastest predicted (`balanced:w3`).
 
     scripts/compare_plans.py --mem 0.5x --plans balanced-kept,balanced-streamed -r 4 -n 20 -o results/plans_05x.csv
+    scripts/compare_plans.py --mem 0.4x --plans balanced,balanced:w3,none:w3 -r 3 -n 16 -o results/plans_04x.csv
     scripts/compare_plans.py --disk -o results/disk_qwen1.5b.csv     # the profile's read passes, cold first
 
 Writes a CSV row per run (or per disk pass).
@@ -27,11 +29,13 @@ from flexoffload.planners import balanced
 
 def make(model, prof, mem: int, name: str, n_ctx: int):
     """The plan called name at budget mem."""
+    name, _, window = name.partition(":w")
+    window = int(window) if window else None
     if name in ("balanced-kept", "balanced-streamed"):
         margin = 1e9 if name.endswith("kept") else -0.99
         with mock.patch.object(balanced, "OUTPUT_MARGIN", margin):
-            return planners.plan_budget(model, mem, "balanced", prof, n_ctx, 512)
-    return planners.plan_budget(model, mem, name, prof, n_ctx, 512)
+            return planners.plan_budget(model, mem, "balanced", prof, n_ctx, 512, window=window)
+    return planners.plan_budget(model, mem, name, prof, n_ctx, 512, window=window)
 
 
 def main() -> None:
