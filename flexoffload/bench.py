@@ -117,8 +117,7 @@ def roofline_row(model, profile, label: str, limit: int, n_ctx: int, n_batch: in
     """What any resident set could reach at this budget if streaming were perfect (the issue's definition)."""
     from .costmodel import roofline
 
-    capacity = limit - model.kv_cache_bytes(n_ctx) - budgets.compute_buffer_bytes(model, n_ctx, n_batch) \
-        - budgets.overhead_bytes(model)
+    capacity = limit - budgets.context_bytes(model, n_ctx, n_batch).total - budgets.RUNTIME_OVERHEAD
     tok_s = roofline(model, profile, max(capacity, 0))
     return Row(model=model.path.name, size_mb=model.file_size / MiB, budget=label, budget_mb=limit / MiB,
                strategy="roofline", runs=0, tok_s_mean=tok_s, tok_s_sd=0.0, ttft_s_mean=0.0, peak_mb=0.0,

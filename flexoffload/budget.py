@@ -43,10 +43,13 @@ def parse_size(text: str, model_size: int | None = None) -> int:
     return int(value)
 
 
-def format_size(n: int) -> str:
+def format_size(n: int, up: bool = False) -> str:
+    """n bytes in MiB, or GiB to 0.01; up: rounded up, so that a minimum given back as --mem is enough."""
+    import math
+
     if n >= 1 << 30:
-        return f"{n / (1 << 30):.2f} GiB"
-    return f"{n / MiB:.0f} MiB"
+        return f"{math.ceil(n / (1 << 30) * 100) / 100:.2f} GiB" if up else f"{n / (1 << 30):.2f} GiB"
+    return f"{math.ceil(n / MiB)} MiB" if up else f"{n / MiB:.0f} MiB"
 
 
 # The process without model, KV cache or compute buffers: Python, the bindings, libllama and libggml,
@@ -55,49 +58,35 @@ def format_size(n: int) -> str:
 # tests/test_budget.py::test_runtime_overhead_covers_a_real_run, which checks it stays an upper bound.
 RUNTIME_OVERHEAD = 64 * MiB
 
-# Each loaded model's vocabulary in llama.cpp's heap (token texts, the token map, BPE merges): measured with
-# vocab_only loads as 42 and 47 MiB for the 151936 tokens of Qwen2.5 (2026-11-22); the tiny model above has ~300.
-VOCAB_BYTES_PER_TOKEN = 320
+
+def context_bytes(model, n_ctx: int, n_batch: int, n_outputs: int = 1, n_seq_max: int = 1):
+    """What a context for model takes beside its weights (KV cache, compute and output buffers, vocabulary), as
+    llama.cpp reports it for these settings (footprint.measure: probed once, then cached)."""
+    from . import footprint
+
+    return footprint.measure(model, n_ctx, n_batch, n_outputs, n_seq_max)
 
 
-def overhead_bytes(model) -> int:
-    """The runtime and the model's vocabulary: what a run takes beside weights, KV cache and compute buffers."""
-    return RUNTIME_OVERHEAD + VOCAB_BYTES_PER_TOKEN * model.n_vocab
-
-
-def compute_buffer_bytes(model, n_ctx: int, n_batch: int, n_outputs: int = 1) -> int:
-    """llama.cpp's CPU compute buffer for a ubatch of n_batch tokens with n_outputs rows of logits.
-
-    Fitted to what llama.cpp reserves (its log's "compute buffer size") for the qwen2 and llama graphs:
-    per token of the ubatch, the FFN's three n_ff-wide activations and about four n_embd-wide ones in
-    f32, plus the f16 attention mask over the context; plus one row of logits. Each further output row
-    costs its logits twice: in the graph and in the context's output buffer.
-    """
-    n_ctx = -(-n_ctx // 256) * 256  # llama.cpp pads the context to 256
-    return n_batch * (4 * (3 * model.n_ff + 4 * model.n_embd) + 2 * n_ctx) + 4 * model.n_vocab * (2 * n_outputs - 1)
-
-
-def resident_bytes(model, n_ctx: int, n_batch: int, n_outputs: int = 1, by_rows=()) -> int:
-    """What a model kept in memory takes beside the runtime (a draft model): weights, vocabulary, KV cache and
-    compute buffers. by_rows: tensors it reads by rows instead (a streamed token_embd), which take the pages of a
-    few rows instead of themselves."""
+def resident_bytes(model, n_ctx: int, n_batch: int, n_outputs: int = 1, n_seq_max: int = 1, by_rows=()) -> int:
+    """What a model kept in memory takes beside the runtime (a draft model): weights and its context. by_rows:
+    tensors it reads by rows instead (a streamed token_embd), which take the pages of a few rows instead of
+    themselves."""
     from .costmodel import rows_memory
 
     by_rows = set(by_rows)
     rows = [t for t in model.tensors if t.name in by_rows]
     weights = model.weight_bytes - sum(t.n_bytes for t in rows) + sum(rows_memory(t) for t in rows)
-    return (weights + VOCAB_BYTES_PER_TOKEN * model.n_vocab + model.kv_cache_bytes(n_ctx)
-            + compute_buffer_bytes(model, n_ctx, n_batch, n_outputs))
+    return weights + context_bytes(model, n_ctx, n_batch, n_outputs, n_seq_max).total
 
 
 def minimum(model, n_ctx: int, n_batch: int) -> int:
     """The smallest budget a run can work in with the mmap strategy.
 
-    Beside the runtime, KV cache and compute buffers, the page cache must hold at least one layer's
-    weights while the layer computes; below that every page faults in more than once per token.
+    Beside the runtime and the context, the page cache must hold at least one layer's weights while the layer
+    computes; below that every page faults in more than once per token.
     """
     largest_layer = max((model.layer_bytes(i) for i in range(model.n_layer)), default=0)
-    return overhead_bytes(model) + model.kv_cache_bytes(n_ctx) + compute_buffer_bytes(model, n_ctx, n_batch) + largest_layer
+    return RUNTIME_OVERHEAD + context_bytes(model, n_ctx, n_batch).total + largest_layer
 
 
 def check(model, budget: int, n_ctx: int, n_batch: int) -> None:
@@ -106,7 +95,7 @@ def check(model, budget: int, n_ctx: int, n_batch: int) -> None:
     if budget < need:
         raise FlexoffloadError(
             f"budget {format_size(budget)} is too small for {model.path.name} at -c {n_ctx} -b {n_batch}: "
-            f"the minimum is {format_size(need)}")
+            f"the minimum is {format_size(need, up=True)}")
 
 
 def peak_rss() -> int:
@@ -217,6 +206,25 @@ class MemoryCgroup:
         stat = dict(line.split()[:2] for line in lines if len(line.split()) >= 2)
         names = {"pgmajfault": "major_faults", "workingset_refault_file": "refaults_file"}
         return {ours: int(stat[theirs]) for theirs, ours in names.items() if theirs in stat}
+
+    def unreclaimable(self) -> int:
+        """What the cgroup's processes hold now that reclaim cannot take back: anonymous memory (locked included),
+        shared memory and kernel memory (memory.stat, and v1's kmem counter). Unlike the peak, page cache is not
+        in it: a cgroup with cache to spare fills with it up to its limit, which says nothing about the run."""
+        try:
+            stat = dict(line.split()[:2] for line in (self.path / "memory.stat").read_text().splitlines()
+                        if len(line.split()) >= 2)
+        except OSError:
+            return 0
+        if self.version == "v2":
+            kernel = int(stat.get("kernel", 0)) or sum(int(stat.get(k, 0)) for k in (
+                "kernel_stack", "pagetables", "percpu", "sock", "slab"))
+            return int(stat.get("anon", 0)) + int(stat.get("shmem", 0)) + kernel
+        try:
+            kernel = int((self.path / "memory.kmem.usage_in_bytes").read_text())
+        except OSError:
+            kernel = 0
+        return int(stat.get("total_rss", 0)) + int(stat.get("total_shmem", 0)) + kernel
 
     def oom_killed(self) -> bool:
         """Whether the kernel's OOM killer stopped a process of this cgroup (its `oom_kill` count)."""

@@ -48,7 +48,10 @@ def _read_prompt(prompt: str | None, file: str | None) -> str:
         raise FlexoffloadError("give the prompt with -p or -f, not both")
     if file is not None:
         try:
-            return Path(file).read_text(encoding="utf-8")
+            # bytes as they are (no newline translation), and, as llama.cpp's -f, one trailing newline dropped:
+            # the same file gives llama-completion's tokens
+            text = Path(file).read_bytes().decode("utf-8")
+            return text[:-1] if text.endswith("\n") else text
         except OSError as e:
             raise FlexoffloadError(f"cannot read prompt file {file}: {e.strerror}") from None
         except UnicodeDecodeError:
@@ -75,7 +78,7 @@ def _report(result: dict, as_json: bool) -> None:
 
 def plan_for_run(model, strategy: str, policy: str, plan_dir: str | None, budget: int | None, n_ctx: int,
                  n_batch: int, n_threads: int, window: int | None, io_threads: int, n_outputs: int = 1,
-                 draft: int = 0):
+                 n_seq_max: int = 1, draft: int = 0):
     """The plan a run streams by, or None for mmap (and for `stream` with neither budget nor plan: all resident).
 
     prefetch and sync stream every tensor but the small ones (policy none), with window 3 and 0. draft: the bytes a
@@ -85,6 +88,8 @@ def plan_for_run(model, strategy: str, policy: str, plan_dir: str | None, budget
     from . import profile as profiler
     from .planners import plan_budget
 
+    if budget is not None:  # llama.cpp's own report of the context: refuses a model it cannot load, first
+        budgets.context_bytes(model, n_ctx, n_batch, n_outputs, n_seq_max)
     if strategy == "mmap":
         if budget is not None:
             budgets.check(model, budget - draft, n_ctx, n_batch)
@@ -97,7 +102,7 @@ def plan_for_run(model, strategy: str, policy: str, plan_dir: str | None, budget
         return None
     return plan_budget(model, budget if budget is not None else 4 * model.file_size + (1 << 30), policy,
                        profiler.measure(model, n_threads), n_ctx=n_ctx, n_batch=n_batch, window=window,
-                       io_threads=io_threads, n_outputs=n_outputs, draft=draft)
+                       io_threads=io_threads, n_outputs=n_outputs, n_seq_max=n_seq_max, draft=draft)
 
 
 @main.command()
@@ -155,7 +160,7 @@ def run(model_spec, prompt, prompt_file, n_predict, ctx_size, batch_size, thread
     limit = budgets.parse_size(mem, model.file_size) if mem else None
     if enforce and limit is None:
         raise FlexoffloadError("--enforce needs a budget: add --mem SIZE")
-    draft_model, draft_bytes, spec, n_outputs = None, 0, None, 1
+    draft_model, draft_bytes, spec, n_outputs, n_seq_max = None, 0, None, 1, 1
     if draft_spec:
         from . import speculate
 
@@ -165,13 +170,14 @@ def run(model_spec, prompt, prompt_file, n_predict, ctx_size, batch_size, thread
             raise FlexoffloadError("--draft-p-split must be in (0, 1]")
         draft_model = load(catalog.resolve(draft_spec))
         draft_bytes = budgets.resident_bytes(draft_model, ctx_size, batch_size, speculate.MAX_BRANCHES,
-                                             speculate.draft_by_rows(draft_model))
+                                             speculate.MAX_BRANCHES, speculate.draft_by_rows(draft_model))
         spec = speculate.Options(tree=spec_mode == "tree", pacer=not no_pacer, adaptive=not no_adaptive,
                                  pipeline=pipeline, threshold=draft_p_split, max_nodes=draft_max)
         # a logits row per tree node (the node budget is memory), and llama.cpp keeps one per sequence
         n_outputs = max(draft_max or speculate.MAX_NODES, speculate.MAX_BRANCHES + 1)
+        n_seq_max = speculate.MAX_BRANCHES + 1  # speculate.target_settings
     plan = plan_for_run(model, strategy, policy, plan_dir, limit, ctx_size, batch_size, threads, window, io_threads,
-                        n_outputs, draft_bytes)
+                        n_outputs, n_seq_max, draft_bytes)
     if spec and plan and limit is not None and not plan_dir and not draft_always:
         # the draft's memory makes the target stream more: speculate only where that is predicted to pay
         from . import profile as profiler
@@ -179,13 +185,14 @@ def run(model_spec, prompt, prompt_file, n_predict, ctx_size, batch_size, thread
 
         alone = plan_for_run(model, strategy, policy, None, limit, ctx_size, batch_size, threads, window, io_threads)
         draft_token_s = compute_seconds(draft_model, profiler.measure(draft_model, threads))
-        with_draft = speculate.predicted_tok_s(1 / plan.predicted_tok_s, draft_token_s)
+        target_token_s = compute_seconds(model, profiler.measure(model, threads))
+        with_draft = speculate.predicted_tok_s(1 / plan.predicted_tok_s, draft_token_s, target_token_s)
         if alone.predicted_tok_s > with_draft:
             if result_file is None:
                 click.echo(f"flexoffload: the target alone is predicted faster at this budget "
                            f"({alone.predicted_tok_s:.2f} tok/s, with the draft {with_draft:.2f}): running without "
                            f"-md (--draft-always speculates anyway)", err=True)
-            draft_model, draft_bytes, spec, n_outputs, plan = None, 0, None, 1, alone
+            draft_model, draft_bytes, spec, n_outputs, n_seq_max, plan = None, 0, None, 1, 1, alone
 
     if enforce and result_file is None:
         cgroup = budgets.enforce_or_warn(limit, lambda msg: click.echo(msg, err=True))
@@ -227,7 +234,7 @@ def run(model_spec, prompt, prompt_file, n_predict, ctx_size, batch_size, thread
                   model={"path": str(path), "size": model.file_size, "name": model.name})
     if plan:
         result["plan"] = {"policy": plan.policy, "window": settings.window, "io_threads": settings.io_threads,
-                          "resident_mb": plan.memory.resident / MiB,
+                          "memory_mb": plan.memory.total / MiB, "resident_mb": plan.memory.resident / MiB,
                           "streamed_mb": plans.streamed_bytes(plan, model) / MiB,
                           "predicted_tok_s": plan.predicted_tok_s, "roofline_tok_s": plan.roofline_tok_s}
     if result_file:
@@ -243,7 +250,14 @@ def run_in_cgroup(cgroup, run_args: list[str], quiet: bool = False) -> dict:
         cmd = [sys.executable, "-m", "flexoffload", "run", *run_args, "--result-file", str(result_file)]
         out = subprocess.DEVNULL if quiet else None
         proc = cgroup.popen(cmd, stdout=out, stderr=subprocess.PIPE if quiet else None, text=True)
-        _, err = proc.communicate()
+        unreclaimable = 0
+        while True:  # the peak of what the run cannot give back, sampled (the kernel keeps no peak of it)
+            unreclaimable = max(unreclaimable, cgroup.unreclaimable())
+            try:
+                _, err = proc.communicate(timeout=0.02)
+                break
+            except subprocess.TimeoutExpired:
+                pass
         if proc.returncode != 0 or not result_file.exists():
             if cgroup.oom_killed() or proc.returncode == -9:
                 raise FlexoffloadError(
@@ -251,7 +265,8 @@ def run_in_cgroup(cgroup, run_args: list[str], quiet: bool = False) -> dict:
             last = (err or "").strip().splitlines()[-1:] or [f"exit {proc.returncode}"]
             raise FlexoffloadError(f"the run failed under the cgroup: {last[0].removeprefix('Error: ')}")
         result = json.loads(result_file.read_text())
-    result.update(peak_mem_mb=cgroup.peak() / MiB, peak_source="cgroup", enforced=True, faults=cgroup.faults())
+    result.update(peak_mem_mb=cgroup.peak() / MiB, peak_source="cgroup", enforced=True, faults=cgroup.faults(),
+                  peak_rss_mb=result["peak_mem_mb"], peak_unreclaimable_mb=unreclaimable / MiB)
     return result
 
 
@@ -424,20 +439,21 @@ def models_fetch(names):
         click.echo(f"{name}: {path}")
 
 
+from . import synth  # beside its command, whose choices are its shapes; cheap to import (no numpy until it writes)
+
+
 @models.command("synth")
-@click.argument("shape", type=click.Choice(["tiny", "llama2-7b"]))
+@click.argument("shape", type=click.Choice(list(synth.SHAPES)))
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="where to write the GGUF")
 @click.option("--qtype", type=click.Choice(["Q4_0", "F32"]), default="Q4_0", show_default=True)
 @click.option("--seed", default=0, show_default=True)
 @_errors_as_one_line
 def models_synth(shape, output, qtype, seed):
     """Write a synthetic GGUF with random weights and a real shape (its text is noise, its timing is real)."""
-    from . import synth
-
     target = Path(output)
     tmp = target.with_name(target.name + ".part")
     try:
-        synth.write(tmp, {"tiny": synth.TINY, "llama2-7b": synth.LLAMA2_7B}[shape], qtype, seed)
+        synth.write(tmp, synth.SHAPES[shape], qtype, seed)
     except OSError as e:
         tmp.unlink(missing_ok=True)
         raise FlexoffloadError(f"cannot write {output}: {e.strerror}") from None

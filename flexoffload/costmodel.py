@@ -99,7 +99,12 @@ def reads_rows(model: Model, t: Tensor) -> bool:
     """Whether the runtime reads only the looked-up rows of t when it streams: token_embd, used only by GET_ROWS.
     Not when the output matrix is tied to it (no output.weight): llama.cpp then uses it twice per pass, and the
     runtime keeps such a tensor resident."""
-    return t.kind == "token_embd" and any(x.kind == "output" for x in model.tensors)
+    return t.kind == "token_embd" and not model.tied_embeddings
+
+
+def tied_output(model: Model) -> list[Tensor]:
+    """The token_embd that is also the output matrix (no output.weight), as a list of it or nothing."""
+    return [t for t in model.tensors if t.kind == "token_embd" and model.tied_embeddings]
 
 
 def rows_memory(t: Tensor) -> int:
@@ -154,7 +159,8 @@ class Profile:
         """
         t = 1.0 / tok_s
         unit = cls(disk_bw=disk_bw, default_sec_per_byte=1.0)
-        bytes_read = sum(unit.compute_seconds(x) for x in model.tensors)  # by matmuls, and token_embd's row
+        # by matmuls, token_embd's row, and token_embd whole where the output is tied to it
+        bytes_read = sum(unit.compute_seconds(x) for x in model.tensors) + sum(x.n_bytes for x in tied_output(model))
         return cls(disk_bw=disk_bw, io_latency=io_latency,
                    default_sec_per_byte=t * (1 - overhead_share) / bytes_read,
                    layer_overhead=t * overhead_share * 0.8 / max(model.n_layer, 1),
@@ -313,6 +319,8 @@ class Pipeline:
             g = t.layer + 1 if t.layer is not None else (0 if t.kind == "token_embd" else n_groups - 1)
             self.tensors[g].append(t)
             self.compute[g] += profile.compute_seconds(t)
+        for t in tied_output(model):  # token_embd is the output matrix too: a matmul a token
+            self.compute[n_groups - 1] += t.n_bytes * profile.seconds_per_byte(t.type)
 
     def stages(self, resident: Collection[str]) -> list[Stage]:
         """The pipeline's stages for a resident set. token_embd and the head are stages only if they stream."""

@@ -66,8 +66,9 @@ class Result:
 class _Log:
     """Routes llama.cpp's log: kept in memory (errors are reported from it), printed only if verbose."""
 
-    def __init__(self, lib, verbose: bool):
+    def __init__(self, lib, verbose: bool, keep: int | None = 200):
         self.lines: list[str] = []
+        self.keep = keep  # the last lines kept (None: all, for footprint's probe)
         self.verbose = verbose
         self.mlock_failed = False  # llama.cpp only warns when it cannot lock a buffer
 
@@ -76,7 +77,8 @@ class _Log:
             if "failed to mlock" in line or "mlock not supported" in line:
                 self.mlock_failed = True
             self.lines.append(line)
-            del self.lines[:-200]
+            if self.keep is not None:
+                del self.lines[:-self.keep]
             if self.verbose:
                 os.write(2, text)
 
@@ -84,9 +86,12 @@ class _Log:
         lib.llama_log_set(self._callback, ctypes.c_void_p(0))
 
     def last_error(self) -> str:
-        for line in reversed(self.lines):
-            if "error" in line.lower() or "failed" in line.lower():
-                return line.strip()
+        """The line that says why: llama.cpp's loader says the cause ("error loading model: ...") before the
+        generic "failed to load model", so that one first."""
+        for words in (("error loading model",), ("error", "failed")):
+            for line in reversed(self.lines):
+                if any(w in line.lower() for w in words):
+                    return line.strip()
         return self.lines[-1].strip() if self.lines else "no log"
 
 
@@ -120,13 +125,32 @@ def raise_memlock_limit() -> int:
     return soft
 
 
+def context_params(lib, settings: Settings):
+    """llama.cpp's context parameters for a run with these settings (footprint's probe makes the same context)."""
+    cparams = lib.llama_context_default_params()
+    cparams.n_ctx = settings.n_ctx
+    cparams.n_batch = settings.n_batch
+    cparams.n_ubatch = settings.n_batch
+    # generation reads only the last token's logits: reserving 1 output instead of n_batch shrinks the
+    # compute buffer (measured for the 1.5B at -b 512: 303 MiB down to 67 MiB)
+    cparams.n_outputs_max = settings.n_outputs
+    cparams.n_seq_max = settings.n_seq_max
+    cparams.kv_unified = True  # one cache of n_ctx cells that all sequences share (tree branches share prefixes)
+    # sliding-window layers keep only their window's cells, as llama.cpp's tools do (the C default keeps n_ctx);
+    # a speculation tree keeps the full cache: its rejected cells are removed after later ones were written
+    cparams.swa_full = settings.n_seq_max > 1
+    cparams.n_threads = settings.n_threads
+    cparams.n_threads_batch = settings.n_threads
+    return cparams
+
+
 class Engine:
-    def __init__(self, model_path: str, settings: Settings):
+    def __init__(self, model_path: str, settings: Settings, log: _Log | None = None):
         if settings.strategy not in STRATEGIES:
             raise FlexoffloadError(f"unknown strategy {settings.strategy!r}: one of {', '.join(STRATEGIES)}")
         self.settings = settings
         lib = self.lib = llama_cpp()
-        self.log = _Log(lib, settings.verbose)
+        self.log = log or _Log(lib, settings.verbose)
         t0 = time.perf_counter()
 
         mparams = lib.llama_model_default_params()
@@ -153,18 +177,7 @@ class Engine:
         if settings.strategy != "mmap":
             drop_file_cache(model_path)
 
-        cparams = lib.llama_context_default_params()
-        cparams.n_ctx = settings.n_ctx
-        cparams.n_batch = settings.n_batch
-        cparams.n_ubatch = settings.n_batch
-        # generation reads only the last token's logits: reserving 1 output instead of n_batch shrinks the
-        # compute buffer (measured for the 1.5B at -b 512: 303 MiB down to 67 MiB)
-        cparams.n_outputs_max = settings.n_outputs
-        cparams.n_seq_max = settings.n_seq_max
-        cparams.kv_unified = True  # one cache of n_ctx cells that all sequences share (tree branches share prefixes)
-        cparams.n_threads = settings.n_threads
-        cparams.n_threads_batch = settings.n_threads
-        self.ctx = lib.llama_init_from_model(self.model, cparams)
+        self.ctx = lib.llama_init_from_model(self.model, context_params(lib, settings))
         if not self.ctx:
             lib.llama_model_free(self.model)
             raise FlexoffloadError(f"llama.cpp could not make a context (n_ctx={settings.n_ctx}): {self.log.last_error()}")

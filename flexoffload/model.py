@@ -55,8 +55,10 @@ class Model:
         return sum(t.n_bytes for t in self.tensors)
 
     @property
-    def head_dim(self) -> int:
-        return self.n_embd // self.n_head
+    def tied_embeddings(self) -> bool:
+        """Whether the output matrix is token_embd (no output.weight): llama.cpp then uses it twice a pass."""
+        return (any(t.kind == "token_embd" for t in self.tensors)
+                and not any(t.kind == "output" for t in self.tensors))
 
     def layer_tensors(self, layer: int | None) -> list[Tensor]:
         return [t for t in self.tensors if t.layer == layer]
@@ -64,9 +66,6 @@ class Model:
     def layer_bytes(self, layer: int) -> int:
         return sum(t.n_bytes for t in self.tensors if t.layer == layer)
 
-    def kv_cache_bytes(self, n_ctx: int, bytes_per_value: int = 2) -> int:
-        """K and V for every layer at n_ctx positions (f16 by default, as llama.cpp's default)."""
-        return 2 * self.n_layer * n_ctx * self.n_head_kv * self.head_dim * bytes_per_value
 
 
 def tensor_kind(name: str) -> tuple[str, int | None]:

@@ -46,6 +46,11 @@ DEAD_SEQ = MAX_BRANCHES  # the target's sequence for rejected cells kept occupie
 # pass). Used only to predict whether speculation pays at a budget (predicted_tok_s).
 TOKENS_PER_PASS = 8.6
 DRAFT_STEPS = 14.6
+# What verifying costs beyond a one-token pass: each further node of the tree, a share of the target's compute per
+# token with every weight in memory. Verification uses the one-token kernels (patch 0008), so the nodes are near
+# linear in compute: 17-token tree passes took 0.51-0.64 s, 9-token ones 0.32-0.45 s, against 0.045 s for one token
+# (results/tree_mask_overhead.csv, all weights in memory): (0.58 - 0.33) / 8 / 0.045 = 0.7 a node.
+VERIFY_SHARE = 0.7
 
 
 @dataclass
@@ -128,11 +133,12 @@ class Stats:
         }
 
 
-def predicted_tok_s(pass_s: float, draft_token_s: float) -> float:
-    """The decode speed speculation can be expected to reach: TOKENS_PER_PASS tokens for one target pass (pass_s:
-    the time of a one-token pass by the target's plan with the draft's memory taken out) and DRAFT_STEPS draft
-    tokens (draft_token_s each)."""
-    return TOKENS_PER_PASS / (pass_s + DRAFT_STEPS * draft_token_s)
+def predicted_tok_s(pass_s: float, draft_token_s: float, target_token_s: float) -> float:
+    """The decode speed speculation can be expected to reach: TOKENS_PER_PASS tokens for one target pass over a tree
+    of DRAFT_STEPS nodes past its root and DRAFT_STEPS draft tokens (draft_token_s each). The pass: a one-token pass
+    by the target's plan with the draft's memory taken out (pass_s), and VERIFY_SHARE of the target's compute per
+    token (target_token_s, every weight in memory) for each further node."""
+    return TOKENS_PER_PASS / (pass_s + DRAFT_STEPS * (draft_token_s + VERIFY_SHARE * target_token_s))
 
 
 def pace(branches: list[Branch], n_nodes: int) -> Branch | None:

@@ -30,3 +30,23 @@ def cli(*args: str, check: bool = False, timeout: float = 600) -> subprocess.Com
     if check and r.returncode != 0:
         raise AssertionError(f"flexoffload {' '.join(args)} failed ({r.returncode}): {r.stderr}")
     return r
+
+
+def write_gguf(path: Path, arch: str, tensors: bool = True) -> Path:
+    """A minimal GGUF of architecture arch: one F32 token_embd (or no tensor at all: a vocabulary-only file)."""
+    import gguf
+    import numpy as np
+
+    w = gguf.GGUFWriter(str(path), arch)
+    tokens, scores, types = synth._vocab(300)
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    if tensors:
+        w.add_tensor("token_embd.weight", np.zeros((300, 32), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

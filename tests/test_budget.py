@@ -68,7 +68,7 @@ def test_minimum_is_refused_below_and_named(tiny_model):
 
     m = load(tiny_model)
     need = budget.minimum(m, 2048, 512)
-    assert need > budget.RUNTIME_OVERHEAD + m.kv_cache_bytes(2048)
+    assert need > budget.RUNTIME_OVERHEAD + budget.context_bytes(m, 2048, 512).kv_cache
     budget.check(m, need, 2048, 512)
     with pytest.raises(FlexoffloadError, match="minimum is"):
         budget.check(m, need - 1, 2048, 512)

@@ -42,6 +42,25 @@ def test_truncated_gguf(tiny_model, tmp_path):
     assert_one_line_error(cli("run", "-m", str(p), "-p", "x"), "truncated")
 
 
+@pytest.mark.parametrize("extra", [(), ("--mem", "1G", "--enforce"), ("--mem", "1G", "--strategy", "prefetch"),
+                                   ("--strategy", "mmap", "--mem", "1G", "--enforce")])
+def test_architecture_llama_cpp_does_not_know(tmp_path, extra):
+    """Refused in one line by llama.cpp's own load (with a budget: by the memory probe, before any cgroup)."""
+    from conftest import write_gguf
+
+    p = write_gguf(tmp_path / "alien.gguf", "no-such-arch")
+    r = cli("run", "-m", str(p), "-p", "x", *extra)
+    assert_one_line_error(r, "alien.gguf")
+    assert "cgroup" not in r.stderr
+
+
+def test_vocabulary_only_gguf(tmp_path):
+    from conftest import write_gguf
+
+    p = write_gguf(tmp_path / "vocab.gguf", "llama", tensors=False)
+    assert_one_line_error(cli("run", "-m", str(p), "-p", "x", "--mem", "1G", "--enforce"), "no tensors")
+
+
 def test_unknown_model_name():
     assert_one_line_error(cli("run", "-m", "llama-9000b", "-p", "x"), "unknown model", "qwen2.5-coder-1.5b-instruct")
     assert_one_line_error(cli("models", "fetch", "llama-9000b"), "unknown model")

@@ -11,9 +11,11 @@ from flexoffload import native
 PROMPT = 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n'
 
 
-def llama_completion(model, prompt, n, ctx=2048, batch=512, threads=2) -> str:
-    """The text llama-completion generates greedily (mmap, no repacking: upstream's plain path)."""
-    cmd = [str(native.tool("llama-completion")), "-m", str(model), "-p", prompt, "-n", str(n), "--temp", "0",
+def llama_completion(model, prompt, n, ctx=2048, batch=512, threads=2, prompt_file=None) -> str:
+    """The text llama-completion generates greedily (mmap, no repacking: upstream's plain path); the prompt from
+    prompt_file (-f) instead where one is given."""
+    source = ["-f", str(prompt_file)] if prompt_file else ["-p", prompt]
+    cmd = [str(native.tool("llama-completion")), "-m", str(model), *source, "-n", str(n), "--temp", "0",
            "-c", str(ctx), "-b", str(batch), "-ub", str(batch), "-t", str(threads), "-lm", "mmap", "--no-repack",
            "-no-cnv", "--no-display-prompt", "--simple-io", "--no-warmup"]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL)
@@ -54,3 +56,16 @@ def test_enforced_budget_on_the_real_model(real_model):
     assert ours["budget_mb"] == pytest.approx(0.7 * size_mb, rel=1e-3)
     free = flexoffload_run(real_model, PROMPT, 16)
     assert ours["tokens"] == free["tokens"]
+
+
+def test_prompt_file_is_read_as_llama_completion_reads_it(tiny_model, tmp_path):
+    """llama.cpp's -f drops one trailing newline of the file (and only one): the same file gives the same text."""
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_bytes(b"a b c d\n\n")
+    ours = json.loads(cli("run", "-m", str(tiny_model), "-f", str(prompt), "-n", "16", "--temp", "0", "-t", "2",
+                          "--json", check=True).stdout)
+    as_given = flexoffload_run(tiny_model, "a b c d\n\n", 16)
+    dropped = flexoffload_run(tiny_model, "a b c d\n", 16)
+    assert ours["n_prompt"] == dropped["n_prompt"] and ours["tokens"] == dropped["tokens"]
+    assert as_given["n_prompt"] != dropped["n_prompt"]  # the newline is a token: dropping it is seen
+    assert llama_completion(tiny_model, None, 16, prompt_file=prompt) == ours["text"]

@@ -25,12 +25,6 @@ def test_tensor_table_of_a_synthetic_model(tiny_model):
         t.n_bytes for t in m.layer_tensors(None)) == m.weight_bytes
 
 
-def test_kv_cache_size(tiny_model):
-    m = load(tiny_model)
-    # K and V, f16, per layer: n_ctx * n_head_kv * head_dim
-    assert m.kv_cache_bytes(100) == 2 * 3 * 100 * 2 * 16 * 2
-
-
 @pytest.mark.parametrize("name,kind,layer", [
     ("token_embd.weight", "token_embd", None),
     ("output.weight", "output", None),

@@ -50,6 +50,15 @@ def test_alpha_halves_when_all_correct_and_is_the_error_fraction_otherwise():
     assert speculate.next_alpha(0.5, 0, 2) == pytest.approx(1.0)
 
 
+def test_speculation_is_predicted_to_pay_only_where_the_target_waits_on_its_reads():
+    """A tree's pass costs compute per node: with every weight in memory (a pass is compute) the target alone is
+    predicted faster; where a pass is mostly reading, the draft's tokens pay."""
+    compute, draft = 0.045, 0.012  # the 1.5B target's and the 0.5B draft's seconds a token from memory
+    assert speculate.predicted_tok_s(compute, draft, compute) < 1 / compute
+    assert speculate.predicted_tok_s(0.25, draft, compute) > 1 / 0.25
+    assert speculate.predicted_tok_s(0.25, draft, compute) < speculate.predicted_tok_s(0.25, draft, 0.0)
+
+
 def test_path_from_walks_down_from_the_top():
     root = Node(1, None, 5, 1.0, 1.0)
     a = Node(2, root, 6, 0.5, 0.5)
@@ -287,7 +296,7 @@ def test_real_draft_reads_its_token_embd_by_rows(draft_model):
     model = load(draft_model)
     assert speculate.draft_by_rows(model) == ["token_embd.weight"]
     embd = next(t for t in model.tensors if t.name == "token_embd.weight")
-    kept = budget.resident_bytes(model, 512, 64, 16) - budget.resident_bytes(model, 512, 64, 16, [embd.name])
+    kept = budget.resident_bytes(model, 512, 64, 16) - budget.resident_bytes(model, 512, 64, 16, by_rows=[embd.name])
     assert kept == embd.n_bytes - costmodel.rows_memory(embd)
     base = engine.Settings(n_ctx=512, n_batch=64, temp=0.0, strategy="mmap")
     ref = _alone(draft_model, base, PROMPTS[0], 16)

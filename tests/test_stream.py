@@ -56,8 +56,7 @@ def test_every_policy_matches_mmap_under_a_budget(streamable_model, policy):
     from flexoffload import budget as budgets
 
     # runtime, KV cache and compute buffers, then half the weights for resident tensors and the window
-    budget = budgets.RUNTIME_OVERHEAD + m.kv_cache_bytes(512) + budgets.compute_buffer_bytes(m, 512, 512) \
-        + m.weight_bytes // 2
+    budget = budgets.RUNTIME_OVERHEAD + budgets.context_bytes(m, 512, 512).total + m.weight_bytes // 2
     out = run_json(streamable_model, "a b c", 8, "--mem", str(budget), "--policy", policy)
     assert out["strategy"] == "stream" and out["plan"]["policy"] == policy
     assert out["tokens"] == base["tokens"]
@@ -210,7 +209,7 @@ def test_read_error_mid_run_is_reported_not_fatal(streamable_model, tmp_path, wi
 # a generation, what the resident and streamed tensors weigh, and the run's resident_locked.
 _LOCKED = r"""
 import json, resource, sys
-from flexoffload import engine, plan as plans
+from flexoffload import engine, plan as plans, stream
 from flexoffload.model import load
 from flexoffload.planners import always_resident
 
@@ -231,6 +230,9 @@ with engine.Engine(path, settings) as eng:
     r = eng.generate("a b c", 3)
     out["after"] = vmlck()
     out["tokens"], out["resident_locked"] = r.tokens, r.timings["resident_locked"]
+    out["pool"] = stream.stats().bytes_committed_peak
+    out["anon_huge"] = next(int(line.split()[1]) * 1024 for line in open("/proc/self/smaps_rollup")
+                            if line.startswith("AnonHugePages:"))
 out["memlock_soft"] = resource.getrlimit(resource.RLIMIT_MEMLOCK)[0]
 print(json.dumps(out))
 """
@@ -253,6 +255,23 @@ def test_resident_tensors_are_locked_streamed_ones_not(streamable_model):
     assert out["resident"] <= out["loaded"] < out["resident"] + (1 << 20)
     assert out["after"] == out["loaded"]
     assert out["resident_locked"] is True
+
+
+def _thp_mode() -> str:
+    try:
+        return open("/sys/kernel/mm/transparent_hugepage/enabled").read().split("[")[1].split("]")[0]
+    except OSError:
+        return "never"
+
+
+@pytest.mark.skipif(_thp_mode() == "never", reason="the kernel has transparent huge pages off")
+def test_the_read_pool_is_huge_pages(streamable_model):
+    """Patch 0010: the pool the streamed tensors are read into is 2 MiB pages, all but a last part smaller than
+    one (O_DIRECT reads into scattered 4 KiB pages go out in block requests of under 1 MiB)."""
+    out = _locked_run(streamable_model)
+    huge = 2 << 20
+    assert out["pool"] >= 2 * huge
+    assert out["anon_huge"] >= out["pool"] // huge * huge
 
 
 _SETPRIV = ["setpriv", "--inh-caps=-ipc_lock", "--bounding-set=-ipc_lock"]  # root without CAP_IPC_LOCK

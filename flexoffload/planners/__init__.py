@@ -47,7 +47,9 @@ def is_small(t: Tensor) -> bool:
 
 
 def always_resident(model: Model) -> set[str]:
-    return {t.name for t in model.tensors if is_small(t)}
+    """The small tensors, and a token_embd the output is tied to: the runtime keeps a tensor used twice a pass
+    resident whatever the plan says (patch 0004), so a plan that streamed it would count too little memory."""
+    return {t.name for t in model.tensors if is_small(t) or (t.kind == "token_embd" and model.tied_embeddings)}
 
 
 def memory_for(model: Model, resident: Collection[str], window: int) -> int:
@@ -196,7 +198,7 @@ def make_plan(model: Model, budget: int, policy: str, profile: Profile, window: 
     need = min(minimum_budget(model, w, kv_cache, compute, overhead) for w in windows)
     if budget < need:
         raise FlexoffloadError(f"budget {format_size(budget)} is too small for {model.path.name} with window "
-                               f"{min(windows)}: the minimum is {format_size(need)}")
+                               f"{min(windows)}: the minimum is {format_size(need, up=True)}")
     capacity = budget - kv_cache - compute - overhead
     pipe = Pipeline(model, profile, io_threads)
     best = None
@@ -223,15 +225,27 @@ def make_plan(model: Model, budget: int, policy: str, profile: Profile, window: 
 
 def plan_budget(model: Model, budget: int, policy: str, profile: Profile, n_ctx: int, n_batch: int,
                 window: int | None = None, io_threads: int = DEFAULT_IO_THREADS, n_outputs: int = 1,
-                draft: int = 0) -> Plan:
-    """make_plan with the KV cache, compute buffers and runtime overhead of a run at n_ctx and n_batch; draft is
-    what a resident draft model takes (budget.resident_bytes), counted with the overhead."""
-    from ..budget import compute_buffer_bytes, overhead_bytes
-
+                n_seq_max: int = 1, draft: int = 0) -> Plan:
+    """make_plan with what a context at these settings takes beside the weights, as llama.cpp reports it
+    (budget.context_bytes), and the runtime; draft is what a resident draft model takes (budget.resident_bytes),
+    counted with the overhead."""
     return make_plan(model, budget, policy, profile, window=window, io_threads=io_threads,
-                     kv_cache=model.kv_cache_bytes(n_ctx),
-                     compute=compute_buffer_bytes(model, n_ctx, n_batch, n_outputs),
-                     overhead=overhead_bytes(model) + draft)
+                     **run_costs(model, n_ctx, n_batch, n_outputs, n_seq_max, draft))
+
+
+def run_costs(model: Model, n_ctx: int, n_batch: int, n_outputs: int = 1, n_seq_max: int = 1,
+              draft: int = 0) -> dict[str, int]:
+    """A run's memory beside weights and window, as make_plan takes it: kv_cache, compute, overhead."""
+    from ..budget import RUNTIME_OVERHEAD, context_bytes
+
+    context = context_bytes(model, n_ctx, n_batch, n_outputs, n_seq_max)
+    return dict(kv_cache=context.kv_cache, compute=context.compute + context.output,
+                overhead=RUNTIME_OVERHEAD + context.vocab + draft)
+
+
+def run_minimum(model: Model, n_ctx: int, n_batch: int) -> int:
+    """The smallest budget plan_budget accepts for a run at n_ctx and n_batch (window chosen freely)."""
+    return minimum_budget(model, None, **run_costs(model, n_ctx, n_batch))
 
 
 def stream_all(model: Model, capacity: int, profile: Profile, window: int, io_threads: int) -> set[str]:
