@@ -16,51 +16,12 @@ from __future__ import annotations
 
 import math
 import re
-import subprocess
-import time
 from dataclasses import asdict, dataclass
 
 from . import FlexoffloadError
 from . import budget as budgets
-from .budget import MiB, format_size
+from .budget import format_size
 from .native import tool
-
-
-@dataclass
-class Limited:
-    """A command run under a budget: its exit, output, and what the cgroup saw."""
-    returncode: int
-    stdout: str
-    stderr: str
-    wall_s: float
-    peak_mem_mb: float  # the cgroup's peak (page cache included); 0 when run without a budget
-    enforced: bool
-    oom_killed: bool
-
-
-def limited(cmd: list[str], limit: int | None, timeout: float | None = None) -> Limited:
-    """Run cmd to the end in its own memory cgroup of limit bytes (none: unlimited), within timeout seconds.
-
-    A run past the timeout is killed and is an error; an exit status is left to the caller.
-    """
-    t0 = time.perf_counter()
-    cgroup = budgets.MemoryCgroup(limit) if limit is not None else None
-    try:
-        start = cgroup.popen if cgroup else subprocess.Popen
-        proc = start(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        try:
-            out, err = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.communicate()
-            raise FlexoffloadError(f"timed out after {timeout:.0f} s") from None
-        return Limited(returncode=proc.returncode, stdout=out.decode("utf-8", "replace"),
-                       stderr=err.decode("utf-8", "replace"), wall_s=time.perf_counter() - t0,
-                       peak_mem_mb=cgroup.peak() / MiB if cgroup else 0.0, enforced=cgroup is not None,
-                       oom_killed=(cgroup.oom_killed() or proc.returncode == -9) if cgroup else False)
-    finally:
-        if cgroup:
-            cgroup.__exit__(None, None, None)
 
 
 @dataclass
@@ -157,7 +118,7 @@ def run(target, draft, prompt: str, n_predict: int, n_ctx: int, n_batch: int, n_
     cmd = command(target, draft, prompt, n_predict, n_ctx, n_batch, n_threads, n_draft)
     if cold:
         budgets.drop_page_cache()
-    r = limited(cmd, budget, timeout)
+    r = budgets.run_limited(cmd, budget, timeout)
     if r.oom_killed:
         raise FlexoffloadError(f"out of memory: the kernel stopped llama-speculative at the enforced budget of "
                                f"{format_size(budget)}")

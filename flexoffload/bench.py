@@ -20,16 +20,15 @@ from .budget import MiB
 from .model import load
 
 DEFAULT_PROMPT = "def quicksort(arr):\n    \"\"\"Sort a list of numbers in ascending order.\"\"\"\n"
-STRATEGIES = ("mmap", "sync", "prefetch", "stream")
-POLICIES = ("balanced", "flexinfer", "attn-first", "ffn-first", "layer")  # each a `stream` run with that policy
+from .defaults import POLICIES, STRATEGIES  # a bench entry is a strategy, or a policy `stream` runs by
 
 
-def run_args(name: str) -> list[str]:
-    """`flexoffload run` flags for a bench entry: a strategy, or a resident-set policy streamed by."""
+def strategy_fields(name: str) -> dict:
+    """api.Request fields for a bench entry: a strategy, or a resident-set policy streamed by."""
     if name in STRATEGIES:
-        return ["--strategy", name]
+        return {"strategy": name}
     if name in POLICIES:
-        return ["--strategy", "stream", "--policy", name]
+        return {"strategy": "stream", "policy": name}
     raise FlexoffloadError(f"unknown strategy {name!r}: one of {', '.join(STRATEGIES + POLICIES)}")
 
 
@@ -52,7 +51,7 @@ class Row:
 
 
 def run(model_spec, mems, strategies, repetitions, n_predict, prompt, n_ctx, n_threads, echo) -> list[Row]:
-    from .cli import run_in_cgroup
+    from . import api
 
     path = catalog.resolve(model_spec)
     model = load(path)
@@ -60,12 +59,15 @@ def run(model_spec, mems, strategies, repetitions, n_predict, prompt, n_ctx, n_t
         raise FlexoffloadError("-r must be at least 1")
     budgets_bytes = [(m, budgets.parse_size(m, model.file_size)) for m in mems]
     for name in strategies:
-        run_args(name)  # unknown names fail before anything runs
+        strategy_fields(name)  # unknown names fail before anything runs
     profile = None
     if any(name != "mmap" for name in strategies):
         from . import profile as profiler
 
         profile = profiler.measure(model, n_threads)
+    unavailable = budgets.cgroup_unavailable()
+    if unavailable:
+        raise FlexoffloadError(f"bench needs enforced budgets: {unavailable}")
     if not budgets.drop_page_cache():
         echo("flexoffload: cannot drop the page cache here (needs root); runs after the first start warm")
     rows = []
@@ -82,16 +84,13 @@ def run(model_spec, mems, strategies, repetitions, n_predict, prompt, n_ctx, n_t
                     if strategy in errors:
                         continue
                     bar.set_postfix_str(f"{label} {strategy}")
-                    args = ["-m", str(path), "-p", prompt or DEFAULT_PROMPT, "-n", str(n_predict), "-c", str(n_ctx),
-                            "-t", str(n_threads), "--temp", "0", "--mem", str(limit), *run_args(strategy), "--json"]
-                    budgets.drop_page_cache()
+                    request = api.Request(model=str(path), prompt=prompt or DEFAULT_PROMPT, n_predict=n_predict,
+                                          n_ctx=n_ctx, n_threads=n_threads, temp=0, mem=str(limit),
+                                          **strategy_fields(strategy))
                     try:
-                        cgroup = budgets.MemoryCgroup(limit)
-                    except FlexoffloadError as e:
-                        raise FlexoffloadError(f"bench needs enforced budgets: {e}") from None
-                    try:
-                        with cgroup:
-                            runs[strategy].append(run_in_cgroup(cgroup, args, quiet=True))
+                        prepared = api.prepare(request)
+                        budgets.drop_page_cache()
+                        runs[strategy].append(api.run_in_cgroup(prepared, limit))
                     except FlexoffloadError as e:
                         errors[strategy] = str(e)
             for strategy in strategies:

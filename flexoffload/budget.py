@@ -13,6 +13,7 @@ import os
 import re
 import subprocess
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from . import FlexoffloadError
@@ -179,13 +180,27 @@ class MemoryCgroup:
         self._remove()
 
     def popen(self, cmd: list[str], **kwargs) -> subprocess.Popen:
-        procs = str(self.path / "cgroup.procs")
+        """Start cmd inside the cgroup, charged from its first allocation.
 
-        def enter():  # runs in the child between fork and exec
-            with open(procs, "w") as f:
-                f.write("0")
-
-        return subprocess.Popen(cmd, preexec_fn=enter, **kwargs)
+        Not with preexec_fn (unsafe in a process with threads): a shell starts first and waits on a pipe, the
+        parent moves it into the cgroup, then lets it exec cmd. bash, not sh: the pipe's descriptor may be above 9,
+        which POSIX sh redirections cannot name."""
+        read_end, write_end = os.pipe()
+        wait_then_exec = f'read -r -u {read_end} _; exec {read_end}<&-; exec "$@"'
+        try:
+            proc = subprocess.Popen(["bash", "-c", wait_then_exec, "bash", *cmd], pass_fds=(read_end,), **kwargs)
+        finally:
+            os.close(read_end)
+        try:
+            (self.path / "cgroup.procs").write_text(str(proc.pid))
+        except OSError as e:
+            os.close(write_end)
+            proc.kill()
+            proc.wait()
+            raise FlexoffloadError(f"cannot move a process into {self.path}: {e.strerror}") from None
+        os.write(write_end, b"\n")
+        os.close(write_end)
+        return proc
 
     def peak(self) -> int:
         """The peak memory charged to the cgroup (page cache included), in bytes."""
@@ -246,10 +261,60 @@ class MemoryCgroup:
                 time.sleep(0.1)
 
 
-def enforce_or_warn(limit: int, echo) -> MemoryCgroup | None:
-    """A cgroup for the budget, or None after saying in one line why the run goes unenforced."""
+@dataclass
+class Limited:
+    """A command run to its end under a budget: its exit, output, and what the cgroup saw."""
+    returncode: int
+    stdout: str
+    stderr: str
+    wall_s: float
+    peak_mem_mb: float  # the cgroup's peak (page cache included); 0 when run without a budget
+    unreclaimable_mb: float  # the sampled peak of what reclaim cannot take back (MemoryCgroup.unreclaimable)
+    faults: dict  # MemoryCgroup.faults
+    enforced: bool
+    oom_killed: bool
+
+
+def run_limited(cmd: list[str], limit: int | None, timeout: float | None = None,
+                capture_stdout: bool = True) -> Limited:
+    """Run cmd to its end in its own memory cgroup of limit bytes (None: no cgroup), within timeout seconds.
+
+    The one way flexoffload runs a child under a budget. Its stderr is collected; its stdout too, unless
+    capture_stdout is False (then it is this process's, for text as it comes). A run past the timeout is killed and
+    is an error; an exit status is left to the caller.
+    """
+    t0 = time.perf_counter()
+    cgroup = MemoryCgroup(limit) if limit is not None else None
     try:
-        return MemoryCgroup(limit)
-    except FlexoffloadError as e:
-        echo(f"flexoffload: {e}; running without an enforced budget")
+        start = cgroup.popen if cgroup else subprocess.Popen
+        proc = start(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE if capture_stdout else None,
+                     stderr=subprocess.PIPE)
+        unreclaimable, out, err = 0, b"", b""
+        while True:  # the peak of what the run cannot give back, sampled: the kernel keeps no peak of it
+            if cgroup:
+                unreclaimable = max(unreclaimable, cgroup.unreclaimable())
+            try:
+                out, err = proc.communicate(timeout=0.02)
+                break
+            except subprocess.TimeoutExpired:
+                if timeout is not None and time.perf_counter() - t0 > timeout:
+                    proc.kill()
+                    proc.communicate()
+                    raise FlexoffloadError(f"timed out after {timeout:.0f} s") from None
+        return Limited(returncode=proc.returncode, stdout=(out or b"").decode("utf-8", "replace"),
+                       stderr=(err or b"").decode("utf-8", "replace"), wall_s=time.perf_counter() - t0,
+                       peak_mem_mb=cgroup.peak() / MiB if cgroup else 0.0, unreclaimable_mb=unreclaimable / MiB,
+                       faults=cgroup.faults() if cgroup else {}, enforced=cgroup is not None,
+                       oom_killed=(cgroup.oom_killed() or proc.returncode == -9) if cgroup else False)
+    finally:
+        if cgroup:
+            cgroup.__exit__(None, None, None)
+
+
+def cgroup_unavailable() -> str | None:
+    """Why no memory cgroup can be made here, or None where one can (a small one is made and removed)."""
+    try:
+        MemoryCgroup(64 * MiB).__exit__(None, None, None)
         return None
+    except FlexoffloadError as e:
+        return str(e)

@@ -9,9 +9,7 @@ from __future__ import annotations
 import functools
 import json
 import os
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import click
@@ -76,35 +74,6 @@ def _report(result: dict, as_json: bool) -> None:
     )
 
 
-def plan_for_run(model, strategy: str, policy: str, plan_dir: str | None, budget: int | None, n_ctx: int,
-                 n_batch: int, n_threads: int, window: int | None, io_threads: int, n_outputs: int = 1,
-                 n_seq_max: int = 1, draft: int = 0):
-    """The plan a run streams by, or None for mmap (and for `stream` with neither budget nor plan: all resident).
-
-    prefetch and sync stream every tensor but the small ones (policy none), with window 3 and 0. draft: the bytes a
-    resident draft model takes out of the budget.
-    """
-    from . import plan as plans
-    from . import profile as profiler
-    from .planners import plan_budget
-
-    if budget is not None:  # llama.cpp's own report of the context: refuses a model it cannot load, first
-        budgets.context_bytes(model, n_ctx, n_batch, n_outputs, n_seq_max)
-    if strategy == "mmap":
-        if budget is not None:
-            budgets.check(model, budget - draft, n_ctx, n_batch)
-        return None
-    if plan_dir:
-        return plans.read(plan_dir)
-    if strategy in ("prefetch", "sync"):
-        policy, window = "none", 0 if strategy == "sync" else (3 if window is None else window)
-    elif budget is None:
-        return None
-    return plan_budget(model, budget if budget is not None else 4 * model.file_size + (1 << 30), policy,
-                       profiler.measure(model, n_threads), n_ctx=n_ctx, n_batch=n_batch, window=window,
-                       io_threads=io_threads, n_outputs=n_outputs, n_seq_max=n_seq_max, draft=draft)
-
-
 @main.command()
 @click.option("-m", "--model", "model_spec", metavar="MODEL", help=f"GGUF path or catalog name [default: {catalog.DEFAULT_MODEL}]")
 @click.option("-p", "--prompt", help="prompt text")
@@ -123,7 +92,7 @@ def plan_for_run(model, strategy: str, policy: str, plan_dir: str | None, budget
               help="what stays resident under --mem: balanced, flexinfer, attn-first, ffn-first, layer")
 @click.option("--plan", "plan_dir", type=click.Path(file_okay=False), help="stream by a saved plan (flexoffload plan)")
 @click.option("--window", type=int, default=None, help="prefetch window in layers [default: the plan's]")
-@click.option("--io-threads", default=4, show_default=True)
+@click.option("--io-threads", type=int, default=None, help="threads reading streamed weights [default: the plan's, 4]")
 @click.option("-md", "--model-draft", "draft_spec", metavar="MODEL",
               help="a draft model kept resident: token-tree speculation (same vocabulary as the target)")
 @click.option("--draft-max", type=int, default=None,
@@ -139,135 +108,42 @@ def plan_for_run(model, strategy: str, policy: str, plan_dir: str | None, budget
               help="speculate even where the target alone is predicted faster at --mem [default: run it alone]")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object instead of text and timings")
 @click.option("-v", "--verbose", is_flag=True, help="show llama.cpp's log")
-@click.option("--result-file", hidden=True, help="(internal) write the result here instead of reporting it")
 @_errors_as_one_line
 def run(model_spec, prompt, prompt_file, n_predict, ctx_size, batch_size, threads, temp, seed, mem, enforce,
         strategy, policy, plan_dir, window, io_threads, draft_spec, draft_max, draft_p_split, spec_mode, no_pacer,
-        no_adaptive, pipeline, draft_always, as_json, verbose, result_file):
+        no_adaptive, pipeline, draft_always, as_json, verbose):
     """Generate text from a prompt (with -md: speculation by a resident draft model)."""
-    from . import engine
-    from . import plan as plans
-    from .model import load
+    from . import api
 
-    prompt_text = _read_prompt(prompt, prompt_file)
-    strategy = strategy or ("stream" if mem or plan_dir else "mmap")
-    if strategy not in engine.STRATEGIES:
-        raise FlexoffloadError(f"unknown strategy {strategy!r}: one of {', '.join(engine.STRATEGIES)}")
-    if ctx_size < 16 or batch_size < 1 or threads < 1 or io_threads < 1 or (window is not None and window < 0):
-        raise FlexoffloadError("-c must be at least 16, -b, -t and --io-threads at least 1, --window at least 0")
-    path = catalog.resolve(model_spec)
-    model = load(path)
-    limit = budgets.parse_size(mem, model.file_size) if mem else None
-    if enforce and limit is None:
-        raise FlexoffloadError("--enforce needs a budget: add --mem SIZE")
-    draft_model, draft_bytes, spec, n_outputs, n_seq_max = None, 0, None, 1, 1
-    if draft_spec:
-        from . import speculate
-
-        if draft_max is not None and not 2 <= draft_max <= speculate.MAX_NODES:
-            raise FlexoffloadError(f"--draft-max must be between 2 and {speculate.MAX_NODES}")
-        if not 0 < draft_p_split <= 1:
-            raise FlexoffloadError("--draft-p-split must be in (0, 1]")
-        draft_model = load(catalog.resolve(draft_spec))
-        draft_bytes = budgets.resident_bytes(draft_model, ctx_size, batch_size, speculate.MAX_BRANCHES,
-                                             speculate.MAX_BRANCHES, speculate.draft_by_rows(draft_model))
-        spec = speculate.Options(tree=spec_mode == "tree", pacer=not no_pacer, adaptive=not no_adaptive,
-                                 pipeline=pipeline, threshold=draft_p_split, max_nodes=draft_max)
-        # a logits row per tree node (the node budget is memory), and llama.cpp keeps one per sequence
-        n_outputs = max(draft_max or speculate.MAX_NODES, speculate.MAX_BRANCHES + 1)
-        n_seq_max = speculate.MAX_BRANCHES + 1  # speculate.target_settings
-    plan = plan_for_run(model, strategy, policy, plan_dir, limit, ctx_size, batch_size, threads, window, io_threads,
-                        n_outputs, n_seq_max, draft_bytes)
-    if spec and plan and limit is not None and not plan_dir and not draft_always:
-        # the draft's memory makes the target stream more: speculate only where that is predicted to pay
-        from . import profile as profiler
-        from .costmodel import compute_seconds
-
-        alone = plan_for_run(model, strategy, policy, None, limit, ctx_size, batch_size, threads, window, io_threads)
-        draft_token_s = compute_seconds(draft_model, profiler.measure(draft_model, threads))
-        target_token_s = compute_seconds(model, profiler.measure(model, threads))
-        with_draft = speculate.predicted_tok_s(1 / plan.predicted_tok_s, draft_token_s, target_token_s)
-        if alone.predicted_tok_s > with_draft:
-            if result_file is None:
-                click.echo(f"flexoffload: the target alone is predicted faster at this budget "
-                           f"({alone.predicted_tok_s:.2f} tok/s, with the draft {with_draft:.2f}): running without "
-                           f"-md (--draft-always speculates anyway)", err=True)
-            draft_model, draft_bytes, spec, n_outputs, n_seq_max, plan = None, 0, None, 1, 1, alone
-
-    if enforce and result_file is None:
-        cgroup = budgets.enforce_or_warn(limit, lambda msg: click.echo(msg, err=True))
-        if cgroup is not None:
-            args = ["-m", str(path), "-p", prompt_text, "-n", str(n_predict), "-c", str(ctx_size),
-                    "-b", str(batch_size), "-t", str(threads), "--temp", str(temp), "--seed", str(seed),
-                    "--mem", mem, "--strategy", strategy, "--policy", policy, "--io-threads", str(io_threads)]
-            args += ["--plan", plan_dir] if plan_dir else []
-            args += ["--window", str(window)] if window is not None else []
-            args += ["--json"] if as_json else []
-            args += ["--verbose"] if verbose else []
-            if draft_model:
-                args += ["-md", str(draft_model.path), "--draft-p-split", str(draft_p_split), "--spec", spec_mode]
-                args += ["--draft-max", str(draft_max)] if draft_max is not None else []
-                args += [flag for flag, on in (("--no-pacer", no_pacer), ("--no-adaptive", no_adaptive),
-                                               ("--pipeline", pipeline)) if on]
-                args += ["--draft-always"]  # decided above: speculation pays here, or was asked for
-            with cgroup:
-                result = run_in_cgroup(cgroup, args)
-            result["budget_mb"] = limit / MiB
-            _report(result, as_json)
-            return
-
-    names = [t.name for t in model.tensors]
-    settings = engine.Settings(
-        n_ctx=ctx_size, n_batch=batch_size, n_threads=threads, temp=temp, seed=seed & 0xFFFFFFFF, strategy=strategy,
-        streamed_patterns=tuple(plans.override_patterns(list(plan.streamed), names)) if plan else (),
-        window=(window if window is not None else plan.window) if plan else 0,
-        io_threads=plan.io_threads if plan else io_threads, verbose=verbose)
+    request = request_from_flags(model_spec, prompt, prompt_file, n_predict, ctx_size, batch_size, threads, temp,
+                                 seed, mem, strategy, policy, plan_dir, window, io_threads, draft_spec, draft_max,
+                                 draft_p_split, spec_mode, no_pacer, no_adaptive, pipeline, draft_always, verbose)
     on_text = None if as_json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
-    if spec:
-        result = speculate.run(path, settings, draft_model.path, spec, prompt_text, n_predict, on_text).to_dict()
-        result["draft"] = {"path": str(draft_model.path), "resident_mb": draft_bytes / MiB}
-    else:
-        with engine.Engine(path, settings) as eng:
-            result = eng.generate(prompt_text, n_predict, on_text).to_dict()
-    result.update(peak_mem_mb=budgets.peak_rss() / MiB, peak_source="rss", enforced=False,
-                  budget_mb=limit / MiB if limit else None,
-                  model={"path": str(path), "size": model.file_size, "name": model.name})
-    if plan:
-        result["plan"] = {"policy": plan.policy, "window": settings.window, "io_threads": settings.io_threads,
-                          "memory_mb": plan.memory.total / MiB, "resident_mb": plan.memory.resident / MiB,
-                          "streamed_mb": plans.streamed_bytes(plan, model) / MiB,
-                          "predicted_tok_s": plan.predicted_tok_s, "roofline_tok_s": plan.roofline_tok_s}
-    if result_file:
-        Path(result_file).write_text(json.dumps(result))
-        return
+    result = api.generate(request, on_text, enforce=enforce, echo=lambda msg: click.echo(msg, err=True))
     _report(result, as_json)
 
 
-def run_in_cgroup(cgroup, run_args: list[str], quiet: bool = False) -> dict:
-    """`flexoffload run` in a child process inside the cgroup; its result with the cgroup's peak."""
-    with tempfile.TemporaryDirectory(prefix="flexoffload-") as tmp:
-        result_file = Path(tmp) / "result.json"
-        cmd = [sys.executable, "-m", "flexoffload", "run", *run_args, "--result-file", str(result_file)]
-        out = subprocess.DEVNULL if quiet else None
-        proc = cgroup.popen(cmd, stdout=out, stderr=subprocess.PIPE if quiet else None, text=True)
-        unreclaimable = 0
-        while True:  # the peak of what the run cannot give back, sampled (the kernel keeps no peak of it)
-            unreclaimable = max(unreclaimable, cgroup.unreclaimable())
-            try:
-                _, err = proc.communicate(timeout=0.02)
-                break
-            except subprocess.TimeoutExpired:
-                pass
-        if proc.returncode != 0 or not result_file.exists():
-            if cgroup.oom_killed() or proc.returncode == -9:
-                raise FlexoffloadError(
-                    f"out of memory: the kernel stopped the run at the enforced budget of {format_size(cgroup.limit)}")
-            last = (err or "").strip().splitlines()[-1:] or [f"exit {proc.returncode}"]
-            raise FlexoffloadError(f"the run failed under the cgroup: {last[0].removeprefix('Error: ')}")
-        result = json.loads(result_file.read_text())
-    result.update(peak_mem_mb=cgroup.peak() / MiB, peak_source="cgroup", enforced=True, faults=cgroup.faults(),
-                  peak_rss_mb=result["peak_mem_mb"], peak_unreclaimable_mb=unreclaimable / MiB)
-    return result
+def request_from_flags(model_spec, prompt, prompt_file, n_predict, ctx_size, batch_size, threads, temp, seed, mem,
+                       strategy, policy, plan_dir, window, io_threads, draft_spec, draft_max, draft_p_split,
+                       spec_mode, no_pacer, no_adaptive, pipeline, draft_always, verbose):
+    """api.Request from `run`'s flags (the prompt read from -f as llama.cpp reads it)."""
+    from . import api
+
+    return api.Request(
+        model=model_spec, prompt=_read_prompt(prompt, prompt_file), n_predict=n_predict, n_ctx=ctx_size,
+        n_batch=batch_size, n_threads=threads, temp=temp, seed=seed, mem=mem, strategy=strategy, policy=policy,
+        plan_dir=plan_dir, window=window, io_threads=io_threads, draft=draft_spec, draft_max=draft_max,
+        draft_p_split=draft_p_split, spec=spec_mode, pacer=not no_pacer, adaptive=not no_adaptive,
+        pipeline=pipeline, draft_always=draft_always, verbose=verbose)
+
+
+def request_from_args(args: list[str]):
+    """api.Request from `flexoffload run` arguments, as the command line would read them (for scripts)."""
+    ctx = run.make_context("run", list(args))
+    params = dict(ctx.params)
+    params.pop("enforce")
+    params.pop("as_json")
+    return request_from_flags(**params)
 
 
 # --- bench ------------------------------------------------------------------------------------

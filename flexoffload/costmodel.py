@@ -40,6 +40,7 @@ from collections.abc import Collection, Mapping
 from dataclasses import asdict, dataclass, field
 
 from .model import Model, Tensor
+from .defaults import CHUNK_BYTES
 
 # Kinds whose weights a decode step reads in full by a matrix multiplication.
 MATMUL_KINDS = frozenset({"attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down", "output"})
@@ -49,11 +50,8 @@ MATMUL_KINDS = frozenset({"attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate
 ROWS_CHUNK = 32
 PAGE = 4096
 
-# A streamed tensor larger than this is read in row chunks of at most this many bytes (`chunk_rows`), and holds at
-# most CHUNKS_IN_FLIGHT of them in the read pool: the runtime's
-# GGML_CPU_STREAMED_CHUNK_BYTES (the default of stream.configure and engine.Settings) and
-# GGML_CPU_STREAMED_CHUNKS_IN_FLIGHT (patch 0007).
-CHUNK_BYTES = 16 << 20
+# A streamed tensor larger than CHUNK_BYTES is read in row chunks of at most that many bytes (`chunk_rows`), and holds
+# at most CHUNKS_IN_FLIGHT of them in the read pool: the runtime's GGML_CPU_STREAMED_CHUNKS_IN_FLIGHT (patch 0007).
 CHUNKS_IN_FLIGHT = 2
 
 
@@ -192,6 +190,20 @@ class Stage:
     def __post_init__(self):
         if self.held_bytes is None:
             object.__setattr__(self, "held_bytes", self.streamed_bytes)
+
+
+@dataclass
+class _Group:
+    """A stage being assembled (Pipeline.stages): what its streamed tensors read and hold, and their requests."""
+
+    name: str
+    compute_s: float
+    streamed_bytes: int
+    requests: int
+    n_streamed: int
+    held_bytes: int
+    late_bytes: int  # of a chunked tensor, beyond the chunks it can hold ahead
+    late_requests: int
 
 
 @dataclass(frozen=True)
@@ -333,19 +345,26 @@ class Pipeline:
             compute = self.compute[g] + sum(self.profile.read_seconds(row_bytes(t), 1, 1)
                                             for t in streamed if t.name in self.rows)
             late = [self.late[n] for n in whole if n in self.late]
-            late_s = self.profile.read_seconds(sum(b for b, _ in late), sum(m for _, m in late), CHUNKS_IN_FLIGHT)
-            groups.append([self.names[g], compute, sum(self.sizes[n] for n in whole),
-                           sum(self.requests[n] for n in whole), len(streamed), sum(self.held[n] for n in whole),
-                           sum(b for b, _ in late), sum(m for _, m in late), late_s])
+            groups.append(_Group(name=self.names[g], compute_s=compute,
+                                 streamed_bytes=sum(self.sizes[n] for n in whole),
+                                 requests=sum(self.requests[n] for n in whole), n_streamed=len(streamed),
+                                 held_bytes=sum(self.held[n] for n in whole),
+                                 late_bytes=sum(b for b, _ in late), late_requests=sum(m for _, m in late)))
         head, embd = groups[-1], groups[0]
-        if head[4] == 0:  # resident head: computed right after the last layer
-            groups[-2][1] += head[1]
+        if head.n_streamed == 0:  # resident head: computed right after the last layer
+            groups[-2].compute_s += head.compute_s
             groups.pop()
-        if embd[4] == 0:
-            groups[1][1] += embd[1]
+        if embd.n_streamed == 0:
+            groups[1].compute_s += embd.compute_s
             groups.pop(0)
-        return [Stage(name, c, self.profile.read_seconds(b - lb, m - lm, self.io_threads), b, n, h, late_s)
-                for name, c, b, m, n, h, lb, lm, late_s in groups]
+        stages = []
+        for g in groups:
+            # the chunks a chunked tensor cannot hold ahead are read while it computes, CHUNKS_IN_FLIGHT at a time
+            ahead_s = self.profile.read_seconds(g.streamed_bytes - g.late_bytes, g.requests - g.late_requests,
+                                                self.io_threads)
+            late_s = self.profile.read_seconds(g.late_bytes, g.late_requests, CHUNKS_IN_FLIGHT)
+            stages.append(Stage(g.name, g.compute_s, ahead_s, g.streamed_bytes, g.n_streamed, g.held_bytes, late_s))
+        return stages
 
     def predict(self, resident: Collection[str], window: int) -> Prediction:
         return simulate(self.stages(resident), window)

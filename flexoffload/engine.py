@@ -15,12 +15,8 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from . import FlexoffloadError
+from .defaults import CHUNK_BYTES, IO_THREADS, STRATEGIES, WINDOW
 from .native import llama_cpp
-
-# mmap: upstream (the file mapped, the kernel pages it); stream: the plan's streamed tensors read by prefetch
-# threads, the rest resident; prefetch: every streamable tensor streamed ("Prefetch only"); sync: the same with
-# window 0, each tensor read when compute needs it ("Sync Read").
-STRATEGIES = ("mmap", "stream", "prefetch", "sync")
 
 
 class _Override(ctypes.Structure):
@@ -37,9 +33,9 @@ class Settings:
     seed: int = 0xFFFFFFFF  # llama.cpp's LLAMA_DEFAULT_SEED: a random seed
     strategy: str = "mmap"
     streamed_patterns: tuple[str, ...] = ()  # regexes (tensors.ot) of the tensors to stream
-    window: int = 3
-    io_threads: int = 4
-    chunk_bytes: int = 16 << 20  # streamed tensors larger than this are read in row chunks (stream.DEFAULT_CHUNK_BYTES)
+    window: int = WINDOW
+    io_threads: int = IO_THREADS
+    chunk_bytes: int = CHUNK_BYTES  # streamed tensors larger than this are read in row chunks
     n_outputs: int = 1  # logits rows one forward pass returns (a speculation tree needs one per node)
     n_seq_max: int = 1  # sequences in the KV cache (a speculation tree: one per branch, in one unified cache)
     verbose: bool = False

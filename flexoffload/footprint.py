@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from . import FlexoffloadError
-from .models import cache_dir
+from .defaults import cache_dir
 
 MiB = 1 << 20
 

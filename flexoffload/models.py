@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import FlexoffloadError
+from .defaults import cache_dir
 
 
 @dataclass(frozen=True)
@@ -66,10 +67,6 @@ CATALOG = {
 }
 DEFAULT_MODEL = "qwen2.5-coder-1.5b-instruct"
 DRAFT_MODEL = "qwen2.5-coder-0.5b-instruct"
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("FLEXOFFLOAD_CACHE") or Path.home() / ".cache" / "flexoffload")
 
 
 def model_path(entry: Entry) -> Path:

@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 
 from . import FlexoffloadError
-from .models import cache_dir
+from .defaults import cache_dir
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -159,6 +159,20 @@ def streamed_by(overrides: list[tuple[str, str]], names: list[str]) -> list[str]
     return [n for n in names if next((b for p, b in compiled if p.search(n)), None) == STREAMED_BUFT]
 
 
+def check_fits(plan: Plan, model, budget: int | None, directory) -> None:
+    """Refuse a saved plan made for another model (its tensors or their sizes differ) or larger than the budget."""
+    from .budget import format_size
+
+    sizes = {t.name: t.n_bytes for t in model.tensors}
+    if set(plan.resident) | set(plan.streamed) != set(sizes) or \
+            sum(sizes[n] for n in plan.resident) != plan.memory.resident:
+        raise FlexoffloadError(f"the plan in {directory} was made for another model ({Path(plan.model).name}), "
+                               f"not {model.path.name}")
+    if budget is not None and plan.memory.total > budget:
+        raise FlexoffloadError(f"the plan in {directory} takes {format_size(plan.memory.total)}, more than the budget "
+                               f"of {format_size(budget)}")
+
+
 def read(directory: str | os.PathLike) -> Plan:
     """The plan in directory; checks that its tensors.ot streams exactly the plan's streamed tensors."""
     directory = Path(directory)

@@ -21,9 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import FlexoffloadError
-from .costmodel import CHUNK_BYTES, MATMUL_KINDS, Profile, chunk_rows, row_bytes
+from .costmodel import MATMUL_KINDS, Profile, chunk_rows, row_bytes
 from .model import Model
-from .models import cache_dir
+from .defaults import CHUNK_BYTES, IO_THREADS, cache_dir
 
 HUGE_PAGE = 2 << 20  # a transparent huge page on x86-64 and arm64 (4 KiB base pages)
 ALIGN = 4096  # O_DIRECT wants offset, length and buffer aligned to the logical block size; 4 KiB covers all
@@ -36,7 +36,7 @@ class DiskSpeed:
     passes: tuple[float, ...] = ()  # bytes/s of each pass, in order
 
 
-def read_requests(model: Model, max_bytes: int, chunk_bytes: int = CHUNK_BYTES) -> list[tuple[int, int]]:
+def pass_requests(model: Model, max_bytes: int, chunk_bytes: int = CHUNK_BYTES) -> list[tuple[int, int]]:
     """The (offset, length) requests one streamed pass issues, O_DIRECT-aligned: a request per tensor a matrix
     multiplication reads (not the small ones, resident in every plan, unless all are small), a request per chunk
     of one larger than chunk_bytes; tensors in file order, spread over the file, at most max_bytes of them."""
@@ -70,9 +70,9 @@ def huge_buffer(n: int) -> memoryview:
     return view
 
 
-def disk_speed(model: Model, max_bytes: int = 768 << 20, io_threads: int = 4, passes: int = 3) -> DiskSpeed:
+def disk_speed(model: Model, max_bytes: int = 768 << 20, io_threads: int = IO_THREADS, passes: int = 3) -> DiskSpeed:
     """O_DIRECT bandwidth as the streaming runtime sees it: its requests (a tensor or a chunk each, see
-    read_requests), io_threads in flight, the same bytes read again pass after pass as every decoded token does;
+    pass_requests), io_threads in flight, the same bytes read again pass after pass as every decoded token does;
     the median pass. Then the latency of single 4 KiB reads.
 
     The reads go into huge pages, as the runtime's do (huge_buffer): into fresh 4 KiB pages five passes over the
@@ -81,7 +81,7 @@ def disk_speed(model: Model, max_bytes: int = 768 << 20, io_threads: int = 4, pa
     read, is the number to plan with."""
     from concurrent.futures import ThreadPoolExecutor
 
-    requests = read_requests(model, max_bytes)
+    requests = pass_requests(model, max_bytes)
     if not requests:
         raise FlexoffloadError(f"cannot measure disk speed on {model.path}: no tensor to read")
     try:
@@ -138,7 +138,7 @@ def compute_speed(path: str | os.PathLike, n_threads: int, n_tokens: int = 24) -
 
 def _cache_path(model: Model, n_threads: int) -> Path:
     st = model.path.stat()
-    # v2: the disk read as the runtime reads it (read_requests), not one cold sequential read; v3: into huge pages;
+    # v2: the disk read as the runtime reads it (pass_requests), not one cold sequential read; v3: into huge pages;
     # v4: a tied output's matmul counted in the calibration
     return cache_dir() / "profiles" / f"{model.path.name}-{st.st_size}-{int(st.st_mtime)}-t{n_threads}-v4.json"
 

@@ -423,7 +423,6 @@ class Speculator:
     def _keep(self, last: Node, token: int) -> None:
         """Make the accepted path history in both caches and start the next tree at the target's token (or at the
         node the draft already made for it during the pass, with what it drafted below)."""
-        lib = self.lib
         top = self.root.pos
         reuse = next((c for c in last.children if not c.in_pass and c.token == token), None)
 

@@ -12,11 +12,8 @@ import ctypes
 from dataclasses import dataclass
 
 from . import FlexoffloadError
+from .defaults import CHUNK_BYTES
 from .native import llama_cpp
-
-
-# the runtime's default chunk size (GGML_CPU_STREAMED_CHUNK_BYTES); costmodel.CHUNK_BYTES plans with it
-DEFAULT_CHUNK_BYTES = 16 << 20
 
 
 class StreamParams(ctypes.Structure):
@@ -73,7 +70,7 @@ def buffer_type() -> int:
     return buft
 
 
-def configure(window: int, io_threads: int, direct_io: bool = True, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
+def configure(window: int, io_threads: int, direct_io: bool = True, chunk_bytes: int = CHUNK_BYTES) -> None:
     """Set the runtime's parameters. chunk_bytes: tensors larger than this are read in row chunks of at most this
     many bytes (0: whole); it applies to the models loaded afterwards."""
     if chunk_bytes < 0:

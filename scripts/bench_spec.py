@@ -34,17 +34,17 @@ import os
 import re
 import statistics
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from tqdm import tqdm
 
-from flexoffload import FlexoffloadError, baseline, humaneval
+from flexoffload import FlexoffloadError, api, baseline, humaneval
 from flexoffload import budget as budgets
 from flexoffload import models as catalog
-from flexoffload.budget import MiB, format_size
+from flexoffload.budget import MiB
+from flexoffload.cli import request_from_args
 from flexoffload.model import load
 
 FLEX = {  # flexoffload run flags per configuration; "{draft}" is the draft model
@@ -128,20 +128,9 @@ def prompt_lengths(model_path: Path, texts: list[str]) -> list[int]:
 
 def run_flexoffload(args: list[str], limit: int, timeout: float) -> dict:
     """`flexoffload run ARGS` as a fresh process in its own cgroup, cold; its result with the cgroup's peak."""
-    with tempfile.TemporaryDirectory(prefix="flexoffload-bench-") as tmp:
-        result_file = Path(tmp) / "result.json"
-        cmd = [sys.executable, "-m", "flexoffload", "run", *args, "--result-file", str(result_file)]
-        budgets.drop_page_cache()
-        r = baseline.limited(cmd, limit, timeout)
-        if r.oom_killed:
-            raise FlexoffloadError(f"out of memory: the kernel stopped the run at the enforced budget of "
-                                   f"{format_size(limit)}")
-        if r.returncode != 0 or not result_file.exists():
-            last = [line for line in r.stderr.strip().splitlines() if line.strip()][-1:] or [f"exit {r.returncode}"]
-            raise FlexoffloadError(last[0].strip().removeprefix("Error: "))
-        result = json.loads(result_file.read_text())
-    result.update(peak_mem_mb=r.peak_mem_mb, enforced=r.enforced, wall_s=r.wall_s)
-    return result
+    prepared = api.prepare(request_from_args(args))
+    budgets.drop_page_cache()
+    return api.run_in_cgroup(prepared, limit, timeout=timeout)
 
 
 def flex_row(row: Row, result: dict) -> tuple[Row, dict]:

@@ -21,18 +21,20 @@ import argparse
 import csv
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from flexoffload import FlexoffloadError, models, planners, synth  # noqa: E402
+from flexoffload import FlexoffloadError, api, models, planners, synth  # noqa: E402
 from flexoffload import budget as budgets  # noqa: E402
 from flexoffload.bench import DEFAULT_PROMPT  # noqa: E402
-from flexoffload.cli import run_in_cgroup  # noqa: E402
+from flexoffload.defaults import cache_dir  # noqa: E402
 from flexoffload.model import load  # noqa: E402
 
 MiB = 1 << 20
-COLUMNS = ["model", "arch", "size_mb", "budget", "budget_mb", "minimum_mb", "accepted", "refusal", "policy", "window",
+COLUMNS = ["model", "arch", "size_mb", "n_prompt", "budget", "budget_mb", "minimum_mb", "accepted", "refusal",
+           "policy", "window",
            "resident_mb", "streamed_mb", "predicted_mb", "unreclaimable_mb", "rss_mb", "enforced_peak_mb", "killed",
            "error", "stream_tok_s", "predicted_tok_s", "mmap_tok_s", "mmap_error", "tokens_equal"]
 
@@ -41,7 +43,7 @@ def model_path(name: str) -> Path:
     """A synthetic shape, written into the cache the first time; else a catalog name or a path."""
     if name not in synth.SHAPES:
         return models.resolve(name)
-    path = models.cache_dir() / "synth" / f"{name}-q4_0.gguf"
+    path = cache_dir() / "synth" / f"{name}-q4_0.gguf"
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         part = path.with_name(path.name + ".part")
@@ -51,12 +53,34 @@ def model_path(name: str) -> Path:
     return path
 
 
-def run(args: list[str], limit: int) -> tuple[dict | None, str]:
-    """`flexoffload run ARGS` in a fresh cgroup of limit bytes, cold: its result, or None and the error."""
-    budgets.drop_page_cache()
+def long_prompt(path: Path, n_batch: int) -> str:
+    """The bench prompt repeated until it fills a batch: prompt processing then uses the whole compute buffer the
+    plan counts, as a user's long prompt does. Counted with the model's own vocabulary (a vocab-only load)."""
+    from flexoffload import engine
+
+    lib = engine.llama_cpp()
+    engine._Log(lib, verbose=False)  # llama.cpp's log kept, not printed
+    params = lib.llama_model_default_params()
+    params.vocab_only = True
+    model = lib.llama_model_load_from_file(str(path).encode(), params)
+    vocab = lib.llama_model_get_vocab(model)
+    text = DEFAULT_PROMPT
+    while True:
+        data = text.encode()
+        buf = (lib.llama_token * (len(data) + 8))()
+        if lib.llama_tokenize(vocab, data, len(data), buf, len(data) + 8, True, True) >= n_batch + 8:
+            break
+        text += DEFAULT_PROMPT
+    lib.llama_model_free(model)
+    return text
+
+
+def run(request: api.Request, limit: int) -> tuple[dict | None, str]:
+    """The request in a fresh process in a cgroup of limit bytes, cold: its result, or None and the error."""
     try:
-        with budgets.MemoryCgroup(limit) as cgroup:
-            return run_in_cgroup(cgroup, args, quiet=True), ""
+        prepared = api.prepare(request)
+        budgets.drop_page_cache()
+        return api.run_in_cgroup(prepared, limit, timeout=1800), ""
     except FlexoffloadError as e:
         return None, str(e)
 
@@ -80,6 +104,8 @@ def main() -> None:
     ap.add_argument("-n", type=int, default=16)
     ap.add_argument("-c", type=int, default=2048)
     ap.add_argument("-b", type=int, default=512)
+    ap.add_argument("--long-prompt", action="store_true",
+                    help="a prompt of a whole batch (-b) of tokens, so the compute buffers are used whole")
     ap.add_argument("-o", "--output", required=True)
     opts = ap.parse_args()
 
@@ -91,13 +117,14 @@ def main() -> None:
             path = model_path(name)
             model = load(path)
             minimum = planners.run_minimum(model, opts.c, opts.b)
+            prompt = long_prompt(path, opts.b) if opts.long_prompt else DEFAULT_PROMPT
             for label in opts.budgets.split(","):
                 limit = {"min": minimum, "below": minimum - 16 * MiB}.get(label) \
                     or budgets.parse_size(label, model.file_size)
                 row = {"model": name, "arch": model.arch, "size_mb": round(model.file_size / MiB),
                        "budget": label, "budget_mb": round(limit / MiB), "minimum_mb": round(minimum / MiB)}
-                common = ["-m", str(path), "-p", DEFAULT_PROMPT, "-n", str(opts.n), "-c", str(opts.c),
-                          "-b", str(opts.b), "--temp", "0", "--mem", str(limit)]
+                stream = api.Request(model=str(path), prompt=prompt, n_predict=opts.n, n_ctx=opts.c,
+                                     n_batch=opts.b, temp=0, mem=str(limit))
                 if limit < minimum:
                     row["refusal"] = refused(path, str(limit), opts.c, opts.b)
                     row["accepted"] = False
@@ -105,20 +132,21 @@ def main() -> None:
                     f.flush()
                     continue
                 row["accepted"] = True
-                roomy, err = run(common, limit + model.file_size + (1 << 30))
+                roomy, err = run(stream, limit + model.file_size + (1 << 30))
                 if roomy:
                     plan = roomy["plan"]
+                    row["n_prompt"] = roomy["n_prompt"]
                     row.update(policy=plan["policy"], window=plan["window"], resident_mb=round(plan["resident_mb"]),
                                streamed_mb=round(plan["streamed_mb"]), predicted_mb=round(plan["memory_mb"]),
                                unreclaimable_mb=round(roomy["peak_unreclaimable_mb"]),
                                rss_mb=round(roomy["peak_rss_mb"]), predicted_tok_s=round(plan["predicted_tok_s"], 2))
-                enforced, err = run(common, limit)
+                enforced, err = run(stream, limit)
                 row["killed"] = "out of memory" in err
                 row["error"] = err
                 if enforced:
                     row.update(enforced_peak_mb=round(enforced["peak_mem_mb"]),
                                stream_tok_s=round(enforced["decode_tok_s"], 2))
-                mmap, mmap_err = run([*common, "--strategy", "mmap"], limit)
+                mmap, mmap_err = run(replace(stream, strategy="mmap"), limit)
                 row["mmap_error"] = mmap_err
                 if mmap:
                     row["mmap_tok_s"] = round(mmap["decode_tok_s"], 2)

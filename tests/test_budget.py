@@ -26,9 +26,10 @@ def test_fraction_needs_a_model():
         parse_size("0.5x")
 
 
-def _child(alloc_mb: int) -> list[str]:
-    # touches alloc_mb of anonymous memory, then reports success
-    return [sys.executable, "-c", f"b = bytearray({alloc_mb} << 20); b[::4096] = b'x' * len(b[::4096]); print('ok')"]
+def _child(alloc_mb: int, hold_s: float = 0.0) -> list[str]:
+    # touches alloc_mb of anonymous memory, holds it hold_s seconds, then reports success
+    return [sys.executable, "-c", f"import time; b = bytearray({alloc_mb} << 20); b[::4096] = b'x' * len(b[::4096]); "
+                                  f"time.sleep({hold_s}); print('ok')"]
 
 
 def test_cgroup_holds_a_process_to_its_budget():
@@ -72,3 +73,24 @@ def test_minimum_is_refused_below_and_named(tiny_model):
     budget.check(m, need, 2048, 512)
     with pytest.raises(FlexoffloadError, match="minimum is"):
         budget.check(m, need - 1, 2048, 512)
+
+
+def test_run_limited_charges_the_child_and_samples_what_it_cannot_give_back():
+    """The one way to run a child under a budget: moved into its cgroup before it execs (no preexec_fn), its
+    anonymous memory seen by the sampled peak, the kernel's OOM kill reported."""
+    from flexoffload.budget import run_limited
+
+    ok = run_limited(_child(100, hold_s=0.5), 300 * MiB)  # held long enough for the 20 ms samples to see it
+    assert ok.returncode == 0 and ok.stdout.strip() == "ok" and ok.enforced and not ok.oom_killed
+    assert 90 <= ok.unreclaimable_mb <= 300 and 100 <= ok.peak_mem_mb <= 300
+    over = run_limited(_child(400), 200 * MiB)
+    assert over.oom_killed and over.returncode == -9
+    free = run_limited(_child(10), None)
+    assert free.returncode == 0 and not free.enforced and free.peak_mem_mb == 0
+
+
+def test_run_limited_stops_a_child_past_its_timeout():
+    from flexoffload.budget import run_limited
+
+    with pytest.raises(FlexoffloadError, match="timed out"):
+        run_limited([sys.executable, "-c", "import time; time.sleep(30)"], 200 * MiB, timeout=1)

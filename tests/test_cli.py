@@ -167,3 +167,24 @@ def test_models_synth_writes_a_model_that_runs(tmp_path):
 def test_models_synth_refuses_an_unwritable_path(tmp_path):
     r = cli("models", "synth", "tiny", "-o", str(tmp_path / "missing" / "x.gguf"))
     assert r.returncode != 0 and "cannot write" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_a_plan_must_fit_the_model_and_the_budget(tiny_model, tmp_path):
+    """A saved plan made for another model, or larger than --mem, is refused in one line; --window is no sync
+    flag."""
+    from flexoffload import synth
+
+    other = synth.write(tmp_path / "other.gguf", synth.SHAPES["llama-gqa-tiny"])
+    plan_dir = tmp_path / "plan"
+    cli("plan", "-m", str(other), "--mem", "300M", "-c", "256", "-o", str(plan_dir), check=True)
+    assert_one_line_error(cli("run", "-m", str(tiny_model), "-p", "x", "--plan", str(plan_dir)),
+                          "made for another model")
+    assert_one_line_error(cli("run", "-m", str(other), "-p", "x", "-c", "256", "--plan", str(plan_dir), "--mem", "50M"),
+                          "more than the budget")
+    r = cli("run", "-m", str(other), "-p", "x", "-n", "2", "-c", "256", "--plan", str(plan_dir), "--json", check=True)
+    assert json.loads(r.stdout)["plan"]["io_threads"] == 4
+    r = cli("run", "-m", str(other), "-p", "x", "-n", "2", "-c", "256", "--plan", str(plan_dir), "--io-threads", "2",
+            "--json", check=True)
+    assert json.loads(r.stdout)["plan"]["io_threads"] == 2  # the flag, not the plan's
+    assert_one_line_error(cli("run", "-m", str(tiny_model), "-p", "x", "--strategy", "sync", "--window", "2"),
+                          "--window does not apply to sync")

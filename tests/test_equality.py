@@ -11,10 +11,11 @@ from flexoffload import native
 PROMPT = 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n'
 
 
-def llama_completion(model, prompt, n, ctx=2048, batch=512, threads=2, prompt_file=None) -> str:
+def llama_completion(model, prompt, n, ctx=2048, batch=512, threads=2, prompt_file=None, overrides=()) -> str:
     """The text llama-completion generates greedily (mmap, no repacking: upstream's plain path); the prompt from
-    prompt_file (-f) instead where one is given."""
+    prompt_file (-f) instead where one is given; overrides: `-ot` lines (a plan's tensors.ot: STREAMED ones)."""
     source = ["-f", str(prompt_file)] if prompt_file else ["-p", prompt]
+    source += ["-ot", ",".join(overrides)] if overrides else []
     cmd = [str(native.tool("llama-completion")), "-m", str(model), *source, "-n", str(n), "--temp", "0",
            "-c", str(ctx), "-b", str(batch), "-ub", str(batch), "-t", str(threads), "-lm", "mmap", "--no-repack",
            "-no-cnv", "--no-display-prompt", "--simple-io", "--no-warmup"]
@@ -69,3 +70,33 @@ def test_prompt_file_is_read_as_llama_completion_reads_it(tiny_model, tmp_path):
     assert ours["n_prompt"] == dropped["n_prompt"] and ours["tokens"] == dropped["tokens"]
     assert as_given["n_prompt"] != dropped["n_prompt"]  # the newline is a token: dropping it is seen
     assert llama_completion(tiny_model, None, 16, prompt_file=prompt) == ours["text"]
+
+
+def test_every_strategy_equals_llama_completion_with_the_same_overrides(tmp_path):
+    """A plan's tensors.ot given to the patched llama-completion (-ot) streams the same tensors: its greedy text is
+    flexoffload's for the plan, for prefetch and sync (everything streamable streamed), and upstream mmap's."""
+    from flexoffload import budget as budgets
+    from flexoffload import plan as plans
+    from flexoffload import synth
+    from flexoffload.model import load
+    from flexoffload.planners import always_resident
+
+    shape = synth.Shape(n_layer=4, n_embd=1024, n_ff=2816, n_head=8, n_head_kv=4, n_vocab=384, n_ctx_train=1024)
+    model = synth.write(tmp_path / "streamable.gguf", shape)
+    m = load(model)
+    budget = budgets.RUNTIME_OVERHEAD + budgets.context_bytes(m, 512, 512).total + m.weight_bytes * 3 // 4
+    plan_dir = tmp_path / "plan"
+    cli("plan", "-m", str(model), "--mem", str(budget), "-c", "512", "-b", "512", "-o", str(plan_dir), check=True)
+    planned = (plan_dir / "tensors.ot").read_text().split()
+    names = [t.name for t in m.tensors]
+    everything = [f"{p}={plans.STREAMED_BUFT}" for p in plans.override_patterns(
+        [n for n in names if n not in always_resident(m)], names)]
+    assert planned and planned != everything  # the plan keeps some of what prefetch streams
+
+    upstream = llama_completion(model, "a b c d", 16, ctx=512)
+    assert upstream
+    assert llama_completion(model, "a b c d", 16, ctx=512, overrides=planned) == upstream
+    assert llama_completion(model, "a b c d", 16, ctx=512, overrides=everything) == upstream
+    for extra in (("--plan", str(plan_dir)), ("--strategy", "prefetch"), ("--strategy", "sync")):
+        ours = flexoffload_run(model, "a b c d", 16, "-c", "512", *extra)
+        assert ours["text"] == upstream and ours["strategy"] in ("stream", "prefetch", "sync")

@@ -22,8 +22,8 @@ def eight(tmp_path_factory):
 def qwen():
     """The real Qwen2.5-Coder-1.5B's tensor table (Q4_K_M: types mixed per layer, GQA, a big vocabulary)."""
     path = models.model_path(models.CATALOG[models.DEFAULT_MODEL])
-    if not path.exists():
-        pytest.skip(f"{path} is not fetched")
+    if not path.exists():  # an integration test: `make test` fetches it; a missing model fails, it is not skipped
+        pytest.fail(f"{path} is not fetched: run `flexoffload models fetch`")
     return load(path)
 
 
@@ -75,11 +75,13 @@ def test_every_policy_fits_and_keeps_small_tensors(eight, window):
         POLICIES["balanced"](eight, floor - 1, prof, window, 2)
 
 
+@pytest.mark.integration
 def test_small_tensors_are_the_norms_biases_and_the_gqa_kv(eight, qwen):
     assert names_of(eight, is_small) == names_of(eight, lambda t: t.kind in ("norm", "attn_k", "attn_v"))
     assert names_of(qwen, is_small) == names_of(qwen, lambda t: t.kind in ("norm", "bias", "attn_k", "attn_v"))
 
 
+@pytest.mark.integration
 def test_token_embd_and_output_stay_unless_forced_and_token_embd_goes_first(qwen):
     """The shared rule (the baselines): both stay while they fit with everything else streamed, token_embd goes
     first. Ours streams token_embd (read by rows: a row a token) whenever something streams: its bytes buy more
@@ -110,6 +112,7 @@ def test_token_embd_and_output_stay_unless_forced_and_token_embd_goes_first(qwen
     assert POLICIES["balanced"](qwen, qwen.weight_bytes, prof, window, 4) == everything
 
 
+@pytest.mark.integration
 def test_streamed_token_embd_costs_its_rows_not_its_size(qwen):
     """Read by rows: its window memory is a lookup's pages, a decode pass reads one row of it."""
     from flexoffload import costmodel, plan as plans
@@ -135,6 +138,7 @@ def fully_resident_kinds(model, resident):
     return {k for k in ATTENTION + FFN if all(t.name in resident for t in model.tensors if t.kind == k)}
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("window", [1, 3])
 def test_flexinfer_follows_algorithm_1(qwen, window):
     prof = measured_like(qwen, 11.4)
@@ -189,6 +193,7 @@ def test_attn_first_and_ffn_first_keep_their_kinds_first(eight, window):
     assert ffn <= r and not (attention - always_resident(eight)) & r
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("window", [0, 3])
 def test_layer_keeps_a_prefix_of_whole_layers(qwen, window):
     prof = measured_like(qwen, 11.4)
@@ -220,6 +225,7 @@ def compare(model, prof, window, capacities):
         yield capacity, times
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("window", [1, 3])
 def test_balanced_is_never_slower_on_the_real_table(qwen, window):
     prof = measured_like(qwen, 11.4)
@@ -240,6 +246,7 @@ def test_balanced_is_never_slower_on_a_7b_shaped_table():
     list(compare(model, prof, 3, [floor + (model.weight_bytes - floor) * i // 9 for i in range(10)]))
 
 
+@pytest.mark.integration
 def test_make_plan_accounts_the_whole_budget(qwen):
     prof = measured_like(qwen, 11.4)
     extra = dict(kv_cache=28 << 20, compute=60 << 20, overhead=40 << 20)
@@ -261,6 +268,7 @@ def test_make_plan_accounts_the_whole_budget(qwen):
             assert p.predicted_tok_s <= p.roofline_tok_s
 
 
+@pytest.mark.integration
 def test_make_plan_chooses_the_window(qwen):
     prof = measured_like(qwen, 11.4)
     # below what window 1 needs, only synchronous reading (window 0) runs
@@ -274,6 +282,7 @@ def test_make_plan_chooses_the_window(qwen):
         assert chosen.predicted_tok_s == max(fixed.values()) and fixed[chosen.window] == chosen.predicted_tok_s
 
 
+@pytest.mark.integration
 def test_a_streamed_output_holds_two_chunks_not_itself(qwen):
     """The output matrix (183 MiB) is read in 12 chunks of 15 MiB, two in flight: streamed, it costs 30 MiB of
     window instead of itself, so the minimum budget of the 1.5B drops by some 150 MiB and 0.3x of it plans, with
@@ -303,6 +312,7 @@ def test_a_streamed_output_holds_two_chunks_not_itself(qwen):
     assert ledger.used + ledger.window_bytes == memory_for(qwen, ledger.resident, 1)
 
 
+@pytest.mark.integration
 def test_balanced_streams_a_keepable_output_only_by_a_margin(qwen, monkeypatch):
     """Where the budget could keep the output, balanced streams it only if the cost model predicts that
     OUTPUT_MARGIN faster than its best plan keeping it (streamed, it measured slower than predicted)."""
@@ -321,3 +331,9 @@ def test_balanced_streams_a_keepable_output_only_by_a_margin(qwen, monkeypatch):
         assert "output.weight" not in streamed and "output.weight" in kept
         gain = pipe.seconds(kept, window) / pipe.seconds(streamed, window) - 1
         assert chosen == (streamed if gain > balanced.OUTPUT_MARGIN else kept), share
+
+
+def test_the_policy_names_are_the_planners():
+    from flexoffload import defaults, planners
+
+    assert set(planners.POLICIES) == set(defaults.POLICIES) | {"none"}

@@ -15,9 +15,9 @@ def model(tmp_path_factory):
     return load(synth.write(tmp_path_factory.mktemp("models") / "eight.gguf", SHAPE, "F32"))
 
 
-def test_read_requests_cover_every_streamable_tensor_aligned(model):
+def test_pass_requests_cover_every_streamable_tensor_aligned(model):
     chunk = 512 << 10  # the 2 MiB output then reads in four chunks, as the runtime would
-    requests = profile.read_requests(model, max_bytes=1 << 30, chunk_bytes=chunk)
+    requests = profile.pass_requests(model, max_bytes=1 << 30, chunk_bytes=chunk)
     assert all(off % profile.ALIGN == 0 and n % profile.ALIGN == 0 and off + n < model.file_size + profile.ALIGN
                for off, n in requests)
     matmul = [t for t in model.tensors if t.kind in costmodel.MATMUL_KINDS and not is_small(t)]
@@ -39,9 +39,9 @@ def test_read_requests_cover_every_streamable_tensor_aligned(model):
                    for off, _ in requests)
 
 
-def test_read_requests_sample_the_file_within_max_bytes(model):
-    everything = profile.read_requests(model, max_bytes=1 << 30)
-    some = profile.read_requests(model, max_bytes=sum(n for _, n in everything) // 3)
+def test_pass_requests_sample_the_file_within_max_bytes(model):
+    everything = profile.pass_requests(model, max_bytes=1 << 30)
+    some = profile.pass_requests(model, max_bytes=sum(n for _, n in everything) // 3)
     assert 0 < sum(n for _, n in some) < sum(n for _, n in everything)
     assert max(off for off, _ in some) > model.file_size // 2  # spread over the file, not its start
 
@@ -50,5 +50,5 @@ def test_disk_speed_measures_the_file(model, tiny_model):
     disk = profile.disk_speed(model, passes=2)
     assert disk.bandwidth > 1e6 and 0 < disk.latency < 1
     tiny = load(tiny_model)  # every tensor small: it reads them all the same
-    assert len(profile.read_requests(tiny, 1 << 30)) == sum(t.kind in costmodel.MATMUL_KINDS for t in tiny.tensors)
+    assert len(profile.pass_requests(tiny, 1 << 30)) == sum(t.kind in costmodel.MATMUL_KINDS for t in tiny.tensors)
     assert profile.disk_speed(tiny, passes=1).bandwidth > 0

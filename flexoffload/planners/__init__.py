@@ -14,7 +14,7 @@ Rules shared by all policies (`base`):
 - The tensors outside the layers (token_embd, output) stay resident unless the capacity cannot hold them. The
   output matrix is one large lump in the pipeline whose read cannot be spread over layers. It used to need a
   window buffer as big as itself (183 MiB on the 1.5B), which set the minimum budget; the runtime now reads a
-  tensor larger than costmodel.CHUNK_BYTES in row chunks and gives each back after use (patch 0007), so a streamed
+  tensor larger than defaults.CHUNK_BYTES in row chunks and gives each back after use (patch 0007), so a streamed
   output holds only CHUNKS_IN_FLIGHT chunks of window (costmodel.held_bytes: 32 MiB) and streaming it frees nearly
   all its bytes. `balanced` therefore also tries it streamed whenever anything streams (the baselines keep the
   shared rule). When one must give way, token_embd streams first: the runtime reads only the rows a pass looks up
@@ -30,12 +30,11 @@ from collections.abc import Callable, Collection, Iterable
 from .. import FlexoffloadError
 from ..budget import format_size
 from ..costmodel import Pipeline, Profile, roofline, window_bytes_of
+from ..defaults import IO_THREADS, SMALL_BYTES
 from ..model import Model, Tensor
 from ..plan import Memory, Plan
 
-SMALL_BYTES = 1 << 20  # tensors under this are always resident
 AUTO_WINDOWS = (0, 1, 2, 3, 4)  # prefetch windows make_plan chooses among (FlexInfer's default is 3)
-DEFAULT_IO_THREADS = 4
 ATTENTION = ("attn_q", "attn_k", "attn_v", "attn_output")
 FFN = ("ffn_gate", "ffn_up", "ffn_down")
 
@@ -185,7 +184,7 @@ def minimum_budget(model: Model, window: int | None = None, kv_cache: int = 0, c
 
 
 def make_plan(model: Model, budget: int, policy: str, profile: Profile, window: int | None = None,
-              io_threads: int = DEFAULT_IO_THREADS, kv_cache: int = 0, compute: int = 0, overhead: int = 0) -> Plan:
+              io_threads: int = IO_THREADS, kv_cache: int = 0, compute: int = 0, overhead: int = 0) -> Plan:
     """Plan a whole-process budget: resident weights + window + KV cache + compute buffers + overhead.
 
     window None: the one of AUTO_WINDOWS the cost model predicts fastest for this policy and budget. A deeper
@@ -224,7 +223,7 @@ def make_plan(model: Model, budget: int, policy: str, profile: Profile, window: 
 
 
 def plan_budget(model: Model, budget: int, policy: str, profile: Profile, n_ctx: int, n_batch: int,
-                window: int | None = None, io_threads: int = DEFAULT_IO_THREADS, n_outputs: int = 1,
+                window: int | None = None, io_threads: int = IO_THREADS, n_outputs: int = 1,
                 n_seq_max: int = 1, draft: int = 0) -> Plan:
     """make_plan with what a context at these settings takes beside the weights, as llama.cpp reports it
     (budget.context_bytes), and the runtime; draft is what a resident draft model takes (budget.resident_bytes),

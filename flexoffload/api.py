@@ -1,0 +1,262 @@
+"""The Python API: generate under a memory budget, with or without a draft model. The CLI, `bench` and the scripts
+call it; nothing here prints.
+
+    from flexoffload import api
+
+    request = api.Request(model="qwen2.5-coder-1.5b-instruct", prompt="def fib(n):", n_predict=32, temp=0, mem="0.5x")
+    result = api.generate(request, on_text=lambda s: print(s, end=""))   # in this process
+    result = api.generate(request, enforce=True)   # in a child process the kernel holds to the budget
+    print(result["decode_tok_s"], result["peak_mem_mb"])
+
+`prepare` does what comes before loading: resolve the model, read the budget, plan, and decide whether a draft
+pays; `generate` prepares and runs. An enforced run is a fresh process (`python -m flexoffload.api`) started in a
+child memory cgroup of the budget: it receives the prepared request (the strategy and the draft decided) as JSON
+and writes its result as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+from . import FlexoffloadError
+from . import budget as budgets
+from . import models as catalog
+from .budget import MiB, format_size
+from .defaults import IO_THREADS, STRATEGIES, WINDOW
+
+
+
+@dataclass
+class Request:
+    """One generation: the model, the prompt, llama.cpp's settings, the budget and how weights reach memory."""
+    model: str | None = None  # a GGUF path or a catalog name (None: the default model)
+    prompt: str = ""
+    n_predict: int = 128  # -1: until end of text
+    n_ctx: int = 2048
+    n_batch: int = 512
+    n_threads: int = os.cpu_count() or 1
+    temp: float = 0.8  # 0: greedy
+    seed: int = -1  # -1: random
+    mem: str | None = None  # the budget for the whole process: 400M, 1.5G, 0.4x
+    strategy: str | None = None  # None: stream with mem or plan_dir, mmap otherwise
+    policy: str = "balanced"
+    plan_dir: str | None = None  # stream by a saved plan
+    window: int | None = None  # None: the plan's
+    io_threads: int | None = None  # None: the plan's, else IO_THREADS
+    draft: str | None = None  # a draft model kept resident: token-tree speculation
+    draft_max: int | None = None
+    draft_p_split: float = 0.3
+    spec: str = "tree"  # or "chain"
+    pacer: bool = True
+    adaptive: bool = True
+    pipeline: bool = False
+    draft_always: bool = False  # speculate even where the target alone is predicted faster
+    verbose: bool = False
+
+
+@dataclass
+class Prepared:
+    """A request ready to load: its model read, its budget in bytes, its plan (None: mmap, or all resident)."""
+    request: Request  # with the strategy set and the draft decided (draft None, or draft_always)
+    model: object  # model.Model
+    limit: int | None
+    plan: object | None  # plan.Plan
+    draft_model: object | None = None
+    draft_bytes: int = 0
+    notes: list[str] = field(default_factory=list)  # what the caller should tell the user (stderr)
+
+
+def _check(r: Request) -> None:
+    if r.strategy not in STRATEGIES:
+        raise FlexoffloadError(f"unknown strategy {r.strategy!r}: one of {', '.join(STRATEGIES)}")
+    if r.n_ctx < 16 or r.n_batch < 1 or r.n_threads < 1 or (r.io_threads is not None and r.io_threads < 1) \
+            or (r.window is not None and r.window < 0):
+        raise FlexoffloadError("-c must be at least 16, -b, -t and --io-threads at least 1, --window at least 0")
+    if r.strategy == "sync" and r.window is not None:
+        raise FlexoffloadError("--window does not apply to sync: it reads each tensor when compute needs it")
+    if r.strategy == "mmap" and (r.window is not None or r.io_threads is not None or r.plan_dir):
+        raise FlexoffloadError("--window, --io-threads and --plan stream weights: not with --strategy mmap")
+    if not r.prompt:
+        raise FlexoffloadError("no prompt: give one with -p TEXT or -f FILE")
+    if r.spec not in ("tree", "chain"):
+        raise FlexoffloadError(f"unknown speculation shape {r.spec!r}: tree or chain")
+
+
+def plan_for_run(model, r: Request, limit: int | None, n_outputs: int = 1, n_seq_max: int = 1, draft: int = 0):
+    """The plan a run streams by, or None for mmap (and for `stream` with neither budget nor plan: all resident).
+
+    prefetch and sync stream every tensor but the small ones (policy none), with window 3 and 0. draft: the bytes a
+    resident draft model takes out of the budget.
+    """
+    from . import plan as plans
+    from . import profile as profiler
+    from .planners import plan_budget
+
+    if limit is not None:  # llama.cpp's own report of the context: refuses a model it cannot load, first
+        budgets.context_bytes(model, r.n_ctx, r.n_batch, n_outputs, n_seq_max)
+    if r.strategy == "mmap":
+        if limit is not None:
+            budgets.check(model, limit - draft, r.n_ctx, r.n_batch)
+        return None
+    if r.plan_dir:
+        plan = plans.read(r.plan_dir)
+        plans.check_fits(plan, model, limit, r.plan_dir)
+        return plan
+    policy, window = r.policy, r.window
+    if r.strategy in ("prefetch", "sync"):
+        policy, window = "none", 0 if r.strategy == "sync" else (WINDOW if window is None else window)
+    elif limit is None:
+        return None
+    return plan_budget(model, limit if limit is not None else 4 * model.file_size + (1 << 30), policy,
+                       profiler.measure(model, r.n_threads), n_ctx=r.n_ctx, n_batch=r.n_batch, window=window,
+                       io_threads=r.io_threads or IO_THREADS, n_outputs=n_outputs, n_seq_max=n_seq_max, draft=draft)
+
+
+def prepare(request: Request) -> Prepared:
+    """Everything before loading: the model, the budget, the plan, and whether the draft pays at this budget.
+
+    Bad input is a FlexoffloadError here, before any cgroup is made or weight is read."""
+    from .model import load
+
+    r = replace(request, strategy=request.strategy or ("stream" if request.mem or request.plan_dir else "mmap"))
+    _check(r)
+    path = catalog.resolve(r.model)
+    r.model = str(path)
+    model = load(path)
+    limit = budgets.parse_size(r.mem, model.file_size) if r.mem else None
+    if not r.draft:
+        return Prepared(r, model, limit, plan_for_run(model, r, limit))
+
+    from . import speculate
+
+    if r.draft_max is not None and not 2 <= r.draft_max <= speculate.MAX_NODES:
+        raise FlexoffloadError(f"--draft-max must be between 2 and {speculate.MAX_NODES}")
+    if not 0 < r.draft_p_split <= 1:
+        raise FlexoffloadError("--draft-p-split must be in (0, 1]")
+    draft_model = load(catalog.resolve(r.draft))
+    r.draft = str(draft_model.path)
+    draft_bytes = budgets.resident_bytes(draft_model, r.n_ctx, r.n_batch, speculate.MAX_BRANCHES,
+                                         speculate.MAX_BRANCHES, speculate.draft_by_rows(draft_model))
+    # a logits row per tree node (the node budget is memory), and llama.cpp keeps one per sequence
+    n_outputs = max(r.draft_max or speculate.MAX_NODES, speculate.MAX_BRANCHES + 1)
+    n_seq_max = speculate.MAX_BRANCHES + 1  # speculate.target_settings
+    plan = plan_for_run(model, r, limit, n_outputs, n_seq_max, draft_bytes)
+    prepared = Prepared(r, model, limit, plan, draft_model, draft_bytes)
+    if plan and limit is not None and not r.plan_dir and not r.draft_always:
+        # the draft's memory makes the target stream more: speculate only where that is predicted to pay
+        from . import profile as profiler
+        from .costmodel import compute_seconds
+
+        alone = plan_for_run(model, r, limit)
+        draft_token_s = compute_seconds(draft_model, profiler.measure(draft_model, r.n_threads))
+        target_token_s = compute_seconds(model, profiler.measure(model, r.n_threads))
+        with_draft = speculate.predicted_tok_s(1 / plan.predicted_tok_s, draft_token_s, target_token_s)
+        if alone.predicted_tok_s > with_draft:
+            prepared.notes.append(f"flexoffload: the target alone is predicted faster at this budget "
+                                  f"({alone.predicted_tok_s:.2f} tok/s, with the draft {with_draft:.2f}): running "
+                                  f"without -md (--draft-always speculates anyway)")
+            return Prepared(replace(r, draft=None), model, limit, alone, notes=prepared.notes)
+    prepared.request = replace(r, draft_always=True)  # decided: a child run must not decide again
+    return prepared
+
+
+def run_prepared(p: Prepared, on_text=None) -> dict:
+    """Load and generate in this process; the result as a dict (engine.Result's fields and the run's context)."""
+    from . import engine
+    from . import plan as plans
+
+    r, model, plan = p.request, p.model, p.plan
+    names = [t.name for t in model.tensors]
+    settings = engine.Settings(
+        n_ctx=r.n_ctx, n_batch=r.n_batch, n_threads=r.n_threads, temp=r.temp, seed=r.seed & 0xFFFFFFFF,
+        strategy=r.strategy,
+        streamed_patterns=tuple(plans.override_patterns(list(plan.streamed), names)) if plan else (),
+        window=(r.window if r.window is not None else plan.window) if plan else 0,
+        io_threads=r.io_threads or (plan.io_threads if plan else IO_THREADS), verbose=r.verbose)
+    if p.draft_model is not None:
+        from . import speculate
+
+        spec = speculate.Options(tree=r.spec == "tree", pacer=r.pacer, adaptive=r.adaptive, pipeline=r.pipeline,
+                                 threshold=r.draft_p_split, max_nodes=r.draft_max)
+        result = speculate.run(r.model, settings, r.draft, spec, r.prompt, r.n_predict, on_text).to_dict()
+        result["draft"] = {"path": r.draft, "resident_mb": p.draft_bytes / MiB}
+    else:
+        with engine.Engine(r.model, settings) as eng:
+            result = eng.generate(r.prompt, r.n_predict, on_text).to_dict()
+    result.update(peak_mem_mb=budgets.peak_rss() / MiB, peak_source="rss", enforced=False,
+                  budget_mb=p.limit / MiB if p.limit else None,
+                  model={"path": r.model, "size": model.file_size, "name": model.name})
+    if plan:
+        result["plan"] = {"policy": plan.policy, "window": settings.window, "io_threads": settings.io_threads,
+                          "memory_mb": plan.memory.total / MiB, "resident_mb": plan.memory.resident / MiB,
+                          "streamed_mb": plans.streamed_bytes(plan, model) / MiB,
+                          "predicted_tok_s": plan.predicted_tok_s, "roofline_tok_s": plan.roofline_tok_s}
+    return result
+
+
+def run_in_cgroup(p: Prepared, limit: int, stream_text: bool = False, timeout: float | None = None) -> dict:
+    """Run the prepared request in a fresh process in its own memory cgroup of limit bytes (the budget, or more to
+    measure with room to spare); its result with the cgroup's peak, faults and the peak of unreclaimable memory.
+    stream_text: the child writes the text to this process's stdout as it comes."""
+    with tempfile.TemporaryDirectory(prefix="flexoffload-") as tmp:
+        request_file, result_file = Path(tmp) / "request.json", Path(tmp) / "result.json"
+        request_file.write_text(json.dumps(asdict(p.request)))
+        cmd = [sys.executable, "-m", "flexoffload.api", str(request_file), str(result_file)]
+        cmd += ["--stream-text"] if stream_text else []
+        run = budgets.run_limited(cmd, limit, timeout, capture_stdout=not stream_text)
+        if run.returncode != 0 or not result_file.exists():
+            if run.oom_killed:
+                raise FlexoffloadError(
+                    f"out of memory: the kernel stopped the run at the enforced budget of {format_size(limit)}")
+            last = [line for line in run.stderr.strip().splitlines() if line.strip()][-1:] or [f"exit {run.returncode}"]
+            raise FlexoffloadError(f"the run failed under the cgroup: {last[0].removeprefix('flexoffload: ')}")
+        result = json.loads(result_file.read_text())
+    result.update(peak_rss_mb=result["peak_mem_mb"], peak_mem_mb=run.peak_mem_mb, peak_source="cgroup",
+                  enforced=True, faults=run.faults, peak_unreclaimable_mb=run.unreclaimable_mb, wall_s=run.wall_s)
+    return result
+
+
+def generate(request: Request, on_text=None, enforce: bool = False, echo=None, timeout: float | None = None,
+             cgroup_limit: int | None = None) -> dict:
+    """Prepare and run a request. enforce: in a child process held to the budget by a memory cgroup (where none can
+    be made, echo says so and the run goes unenforced); cgroup_limit: the cgroup's limit instead of the budget.
+    on_text: called with each piece of text as it comes (enforced: the child writes it to stdout if on_text is
+    given). echo: called with each line to tell the user (stderr)."""
+    p = prepare(request)
+    for note in p.notes:
+        if echo:
+            echo(note)
+    if not enforce:
+        return run_prepared(p, on_text)
+    if p.limit is None:
+        raise FlexoffloadError("--enforce needs a budget: add --mem SIZE")
+    unavailable = budgets.cgroup_unavailable()
+    if unavailable:
+        if echo:
+            echo(f"flexoffload: {unavailable}; running without an enforced budget")
+        return run_prepared(p, on_text)
+    result = run_in_cgroup(p, cgroup_limit or p.limit, stream_text=on_text is not None, timeout=timeout)
+    result["budget_mb"] = p.limit / MiB
+    return result
+
+
+def main() -> None:
+    """The child of an enforced run: `python -m flexoffload.api REQUEST.json RESULT.json [--stream-text]`."""
+    request_file, result_file, *flags = sys.argv[1:]
+    request = Request(**json.loads(Path(request_file).read_text()))
+    on_text = (lambda s: (sys.stdout.write(s), sys.stdout.flush())) if "--stream-text" in flags else None
+    try:
+        result = generate(request, on_text)
+    except FlexoffloadError as e:
+        print(f"flexoffload: {e}", file=sys.stderr)
+        sys.exit(1)
+    Path(result_file).write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,36 @@
+"""Names and defaults shared across flexoffload's modules (and with the native runtime): one home for each.
+
+Nothing here imports anything of flexoffload's, so every module can import it.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+# How weights reach memory (engine.Engine): upstream mmap; stream by a plan; every streamable tensor streamed with a
+# window (FlexInfer's "Prefetch only") or without one ("Sync Read").
+STRATEGIES = ("mmap", "stream", "prefetch", "sync")
+
+# Resident-set policies (planners.POLICIES holds their functions); "none" keeps only the always-resident tensors.
+POLICIES = ("balanced", "flexinfer", "attn-first", "ffn-first", "layer")
+
+# A streamed tensor larger than this is read in row chunks, each given back after its part of the matmul (patch
+# 0007: GGML_CPU_STREAMED_CHUNK_BYTES is the runtime's default, llama_stream_params.chunk_bytes sets it).
+CHUNK_BYTES = 16 << 20
+
+# Layers read ahead of compute by the prefetch strategy (FlexInfer's default); plans choose their own.
+WINDOW = 3
+
+# Threads issuing the streamed reads (the runtime's pool, and the disk profile's reads in flight).
+IO_THREADS = 4
+
+# Tensors under this (and every norm and bias) are always resident: about 1% of a model, and a read request each a
+# token if streamed (HyperGen's size-aware caching).
+SMALL_BYTES = 1 << 20
+
+
+def cache_dir() -> Path:
+    """Where models, the native build, profiles and footprints are kept: $FLEXOFFLOAD_CACHE or
+    ~/.cache/flexoffload."""
+    return Path(os.environ.get("FLEXOFFLOAD_CACHE") or Path.home() / ".cache" / "flexoffload")
