@@ -6,7 +6,7 @@ CACHE  := $(or $(FLEXOFFLOAD_CACHE),$(HOME)/.cache/flexoffload)
 PROMPT ?= def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n
 MEM    ?= 0.5x
 
-.PHONY: setup native models run test test-fast bench clean
+.PHONY: setup native models run test test-fast upstream-test bench clean
 
 setup: $(VENV)/.installed native
 
@@ -30,6 +30,10 @@ run: models
 
 test: models
 	$(PY) -m pytest -q
+
+# llama.cpp's own tests (ctest) on the patched tree, network tests excluded (CI runs it after `make test`)
+upstream-test: setup
+	scripts/upstream_tests
 
 test-fast: setup
 	$(PY) -m pytest -q -m "not integration"

@@ -132,19 +132,19 @@ def prepare(request: Request) -> Prepared:
     if not r.draft:
         return Prepared(r, model, limit, plan_for_run(model, r, limit))
 
-    from . import speculate
+    from . import speculate, spectree
 
-    if r.draft_max is not None and not 2 <= r.draft_max <= speculate.MAX_NODES:
-        raise FlexoffloadError(f"--draft-max must be between 2 and {speculate.MAX_NODES}")
+    if r.draft_max is not None and not 2 <= r.draft_max <= spectree.MAX_NODES:
+        raise FlexoffloadError(f"--draft-max must be between 2 and {spectree.MAX_NODES}")
     if not 0 < r.draft_p_split <= 1:
         raise FlexoffloadError("--draft-p-split must be in (0, 1]")
     draft_model = load(catalog.resolve(r.draft))
     r.draft = str(draft_model.path)
-    draft_bytes = budgets.resident_bytes(draft_model, r.n_ctx, r.n_batch, speculate.MAX_BRANCHES,
-                                         speculate.MAX_BRANCHES, speculate.draft_by_rows(draft_model))
+    draft_bytes = budgets.resident_bytes(draft_model, r.n_ctx, r.n_batch, spectree.MAX_BRANCHES,
+                                         spectree.MAX_BRANCHES, speculate.draft_by_rows(draft_model))
     # a logits row per tree node (the node budget is memory), and llama.cpp keeps one per sequence
-    n_outputs = max(r.draft_max or speculate.MAX_NODES, speculate.MAX_BRANCHES + 1)
-    n_seq_max = speculate.MAX_BRANCHES + 1  # speculate.target_settings
+    n_outputs = max(r.draft_max or spectree.MAX_NODES, spectree.MAX_BRANCHES + 1)
+    n_seq_max = spectree.MAX_BRANCHES + 1  # as speculate.target_settings
     plan = plan_for_run(model, r, limit, n_outputs, n_seq_max, draft_bytes)
     prepared = Prepared(r, model, limit, plan, draft_model, draft_bytes)
     if plan and limit is not None and not r.plan_dir and not r.draft_always:
@@ -155,7 +155,7 @@ def prepare(request: Request) -> Prepared:
         alone = plan_for_run(model, r, limit)
         draft_token_s = compute_seconds(draft_model, profiler.measure(draft_model, r.n_threads))
         target_token_s = compute_seconds(model, profiler.measure(model, r.n_threads))
-        with_draft = speculate.predicted_tok_s(1 / plan.predicted_tok_s, draft_token_s, target_token_s)
+        with_draft = spectree.predicted_tok_s(1 / plan.predicted_tok_s, draft_token_s, target_token_s)
         if alone.predicted_tok_s > with_draft:
             prepared.notes.append(f"flexoffload: the target alone is predicted faster at this budget "
                                   f"({alone.predicted_tok_s:.2f} tok/s, with the draft {with_draft:.2f}): running "
@@ -179,15 +179,21 @@ def run_prepared(p: Prepared, on_text=None) -> dict:
         window=(r.window if r.window is not None else plan.window) if plan else 0,
         io_threads=r.io_threads or (plan.io_threads if plan else IO_THREADS), verbose=r.verbose)
     if p.draft_model is not None:
-        from . import speculate
+        from . import speculate, spectree
 
-        spec = speculate.Options(tree=r.spec == "tree", pacer=r.pacer, adaptive=r.adaptive, pipeline=r.pipeline,
+        spec = spectree.Options(tree=r.spec == "tree", pacer=r.pacer, adaptive=r.adaptive, pipeline=r.pipeline,
                                  threshold=r.draft_p_split, max_nodes=r.draft_max)
         result = speculate.run(r.model, settings, r.draft, spec, r.prompt, r.n_predict, on_text).to_dict()
         result["draft"] = {"path": r.draft, "resident_mb": p.draft_bytes / MiB}
     else:
         with engine.Engine(r.model, settings) as eng:
             result = eng.generate(r.prompt, r.n_predict, on_text).to_dict()
+    timings = result.get("timings", {})
+    from . import profile
+
+    if "stream_read_gb_s" in timings and timings["stream_bytes_read"] >= profile.SUSTAINED_BYTES and \
+            timings["stream_direct"] == timings["stream_reads"]:
+        profile.record_disk_bw(r.model, timings["stream_read_gb_s"] * 1e9, "run")
     result.update(peak_mem_mb=budgets.peak_rss() / MiB, peak_source="rss", enforced=False,
                   budget_mb=p.limit / MiB if p.limit else None,
                   model={"path": r.model, "size": model.file_size, "name": model.name})

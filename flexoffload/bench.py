@@ -9,7 +9,7 @@ from __future__ import annotations
 import csv
 import statistics
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, is_dataclass
 
 from tqdm import tqdm
 
@@ -47,6 +47,7 @@ class Row:
     enforced: bool
     predicted_tok_s: float = 0.0  # the plan's cost model, for streamed runs
     roofline_tok_s: float = 0.0
+    read_gb_s: float = 0.0  # what the streamed runs read over their time, mean
     error: str = ""
 
 
@@ -106,6 +107,8 @@ def run(model_spec, mems, strategies, repetitions, n_predict, prompt, n_ctx, n_t
                     peak_mb=max((r["peak_mem_mb"] for r in results), default=0.0),
                     enforced=all(r["enforced"] for r in results),
                     predicted_tok_s=plan.get("predicted_tok_s", 0.0), roofline_tok_s=plan.get("roofline_tok_s", 0.0),
+                    read_gb_s=statistics.fmean(r.get("timings", {}).get("stream_read_gb_s", 0.0) for r in results)
+                    if results else 0.0,
                     error=errors.get(strategy, "")))
             if profile is not None:
                 rows.append(roofline_row(model, profile, label, limit, n_ctx))
@@ -115,9 +118,10 @@ def run(model_spec, mems, strategies, repetitions, n_predict, prompt, n_ctx, n_t
 def roofline_row(model, profile, label: str, limit: int, n_ctx: int, n_batch: int = 512) -> Row:
     """What any resident set could reach at this budget if streaming were perfect (the issue's definition)."""
     from .costmodel import roofline
+    from .planners import ceiling
 
     capacity = limit - budgets.context_bytes(model, n_ctx, n_batch).total - budgets.RUNTIME_OVERHEAD
-    tok_s = roofline(model, profile, max(capacity, 0))
+    tok_s = roofline(model, ceiling(model, profile), max(capacity, 0))
     return Row(model=model.path.name, size_mb=model.file_size / MiB, budget=label, budget_mb=limit / MiB,
                strategy="roofline", runs=0, tok_s_mean=tok_s, tok_s_sd=0.0, ttft_s_mean=0.0, peak_mb=0.0,
                enforced=False, roofline_tok_s=tok_s)
@@ -125,21 +129,22 @@ def roofline_row(model, profile, label: str, limit: int, n_ctx: int, n_batch: in
 
 def markdown(rows: list[Row]) -> str:
     """A table in llama-bench's style."""
-    lines = ["| model | size | budget | strategy | tok/s | ttft s | peak MB |",
-             "| --- | ---: | ---: | --- | ---: | ---: | ---: |"]
+    lines = ["| model | size | budget | strategy | tok/s | ttft s | peak MB | read GB/s |",
+             "| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: |"]
     for r in rows:
         if r.strategy == "roofline":
             speed = f"{r.tok_s_mean:.2f}"
         else:
             speed = f"{r.tok_s_mean:.2f} ± {r.tok_s_sd:.2f}" if r.runs else f"failed: {r.error}"
         lines.append(f"| {r.model} | {r.size_mb:.0f} MiB | {r.budget} ({r.budget_mb:.0f} MiB) | {r.strategy} | "
-                     f"{speed} | {r.ttft_s_mean:.2f} | {r.peak_mb:.0f} |")
+                     f"{speed} | {r.ttft_s_mean:.2f} | {r.peak_mb:.0f} | {r.read_gb_s:.2f} |")
     return "\n".join(lines)
 
 
-def write_csv(rows: list[Row], path: str) -> None:
+def write_csv(rows: list, path: str) -> None:
+    """Rows (dataclasses like Row, or dicts with the same keys) as CSV, a header first (the scripts use it too)."""
+    rows = [asdict(r) if is_dataclass(r) else r for r in rows]
     with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(asdict(rows[0]).keys()) if rows else ["model"])
+        w = csv.DictWriter(f, fieldnames=list(rows[0]) if rows else ["model"])
         w.writeheader()
-        for r in rows:
-            w.writerow(asdict(r))
+        w.writerows(rows)

@@ -58,6 +58,56 @@ class Result:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    @classmethod
+    def of(cls, prompt_tokens: list[int], out: "TextOut", times: tuple[float, float, float], n_decoded: int,
+           load_s: float, strategy: str, stop: str, timings: dict) -> "Result":
+        """A generation's result (engine and speculation alike). times: the start of prompt processing, the first
+        token, the end; n_decoded: the forward passes after the first token that the decode speed counts."""
+        t_start, t_first, t_end = times
+        text = out.close()
+        decode_s = t_end - t_first
+        return cls(text=text, tokens=out.tokens, n_prompt=len(prompt_tokens), n_gen=len(out.tokens),
+                   ttft_s=t_first - t_start, prompt_tok_s=len(prompt_tokens) / max(t_first - t_start, 1e-9),
+                   decode_tok_s=n_decoded / decode_s if n_decoded > 0 and decode_s > 0 else 0.0, load_s=load_s,
+                   strategy=strategy, stop=stop, timings=timings)
+
+
+class TextOut:
+    """Generated tokens and their text, handed to on_text piece by piece as it comes (a UTF-8 character that spans
+    two tokens is held until it is whole)."""
+
+    def __init__(self, engine: "Engine", on_text=None):
+        self.engine, self.on_text = engine, on_text
+        self.tokens: list[int] = []
+        self.parts: list[str] = []
+        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+
+    def emit(self, token: int) -> None:
+        self.tokens.append(token)
+        self._say(self._utf8.decode(self.engine.piece(token)))
+
+    def close(self) -> str:
+        self._say(self._utf8.decode(b"", final=True))
+        return "".join(self.parts)
+
+    def _say(self, chunk: str) -> None:
+        if chunk:
+            self.parts.append(chunk)
+            if self.on_text:
+                self.on_text(chunk)
+
+
+def stream_timings(elapsed_s: float) -> dict:
+    """The streaming runtime's statistics since stream.reset_stats(), as a run's timings; elapsed_s: the run's
+    time, over which what it read is a lower bound of the disk's bandwidth (compute overlaps the reads)."""
+    from . import stream
+
+    st = stream.stats()
+    return {"stream_bytes_read": st.bytes_read, "stream_reads": st.n_reads, "stream_direct": st.n_direct,
+            "stream_stall_s": st.t_stall_s, "stream_read_s": st.t_read_s, "stream_passes": st.n_passes,
+            "stream_rereads": st.n_rereads, "stream_committed_peak": st.bytes_committed_peak,
+            "stream_read_gb_s": st.bytes_read / max(elapsed_s, 1e-9) / 1e9}
+
 
 class _Log:
     """Routes llama.cpp's log: kept in memory (errors are reported from it), printed only if verbose."""
@@ -244,23 +294,30 @@ class Engine:
         if rc != 0:
             raise FlexoffloadError(f"llama_decode failed ({rc}): {self.log.last_error()}")
 
-    def generate(self, prompt: str, n_predict: int, on_text=None) -> Result:
-        """Greedy or sampled generation of up to n_predict tokens (-1: until end of text or context)."""
-        lib = self.lib
+    def start(self, prompt: str, n_ctx: int | None = None) -> list[int]:
+        """The prompt's tokens, checked against the context (n_ctx: a smaller one, as a speculation pair's); the
+        KV cache cleared and the streaming statistics reset for a new generation."""
         prompt_tokens = self.tokenize(prompt)
+        n_ctx = n_ctx or self.n_ctx
         if not prompt_tokens:
             raise FlexoffloadError("the prompt is empty")
-        if len(prompt_tokens) >= self.n_ctx:
+        if len(prompt_tokens) >= n_ctx:
             raise FlexoffloadError(
-                f"the prompt is {len(prompt_tokens)} tokens, longer than the context of {self.n_ctx}: raise -c")
-        lib.llama_memory_clear(lib.llama_get_memory(self.ctx), True)
+                f"the prompt is {len(prompt_tokens)} tokens, longer than the context of {n_ctx}: raise -c")
+        self.lib.llama_memory_clear(self.lib.llama_get_memory(self.ctx), True)
         if self.settings.strategy != "mmap":
             from . import stream
 
             stream.reset_stats()
+        return prompt_tokens
+
+    def generate(self, prompt: str, n_predict: int, on_text=None) -> Result:
+        """Greedy or sampled generation of up to n_predict tokens (-1: until end of text or context)."""
+        lib = self.lib
+        prompt_tokens = self.start(prompt)
         sampler = self._sampler()
-        utf8 = codecs.getincrementaldecoder("utf-8")("replace")
-        text, tokens, stop = [], [], "limit"
+        out, stop = TextOut(self, on_text), "limit"
+        tokens = out.tokens
         try:
             t_start = time.perf_counter()
             for i in range(0, len(prompt_tokens), self.n_batch):
@@ -274,11 +331,7 @@ class Engine:
                 if lib.llama_vocab_is_eog(self.vocab, token):
                     stop = "eog"
                     break
-                tokens.append(token)
-                chunk = utf8.decode(self.piece(token))
-                text.append(chunk)
-                if on_text and chunk:
-                    on_text(chunk)
+                out.emit(token)
                 if n_past >= self.n_ctx:
                     stop = "context"
                     break
@@ -290,32 +343,8 @@ class Engine:
             t_end = time.perf_counter()
         finally:
             lib.llama_sampler_free(sampler)
-        tail = utf8.decode(b"", final=True)
-        if tail:
-            text.append(tail)
-            if on_text:
-                on_text(tail)
-        t_first = t_first or t_end
-        n_gen = len(tokens)
         timings = {}
         if self.settings.strategy != "mmap":
-            from . import stream
-
-            st = stream.stats()
-            timings = {"resident_locked": not self.log.mlock_failed, "stream_bytes_read": st.bytes_read, "stream_reads": st.n_reads, "stream_direct": st.n_direct,
-                       "stream_stall_s": st.t_stall_s, "stream_read_s": st.t_read_s, "stream_passes": st.n_passes,
-                       "stream_rereads": st.n_rereads, "stream_committed_peak": st.bytes_committed_peak}
-        decode_s = t_end - t_first
-        return Result(
-            text="".join(text),
-            tokens=tokens,
-            n_prompt=len(prompt_tokens),
-            n_gen=n_gen,
-            ttft_s=t_first - t_start,
-            prompt_tok_s=len(prompt_tokens) / max(t_first - t_start, 1e-9),
-            decode_tok_s=n_decoded / decode_s if n_decoded and decode_s > 0 else 0.0,
-            load_s=self.load_s,
-            strategy=self.settings.strategy,
-            stop=stop,
-            timings=timings,
-        )
+            timings = {"resident_locked": not self.log.mlock_failed, **stream_timings(t_end - t_start)}
+        return Result.of(prompt_tokens, out, (t_start, t_first or t_end, t_end), n_decoded, self.load_s,
+                         self.settings.strategy, stop, timings)

@@ -147,8 +147,9 @@ def load(path: str | os.PathLike) -> Model:
 
 
 # --- a GGUF header reader ---------------------------------------------------------------------
-# gguf's GGUFReader builds a numpy view per array element, which takes 15 s on a 152k-token vocabulary;
-# this reads scalars and skips arrays, which is all the tensor table needs.
+# gguf's GGUFReader builds a numpy view per array element: on the 1.5B Qwen (152k tokens, 151k merges) it took 6.4
+# and 7.5 s with gguf 0.19.0, where this reader took 0.10 s (2026-11-25, this machine). It reads scalars and skips
+# arrays, which is all the tensor table needs; the gguf package still gives the type sizes.
 
 _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 _STRING, _ARRAY = 8, 9

@@ -34,6 +34,7 @@ class DiskSpeed:
     bandwidth: float  # bytes/s: the median pass
     latency: float  # seconds for one small read
     passes: tuple[float, ...] = ()  # bytes/s of each pass, in order
+    direct: bool = True  # read with O_DIRECT (else through the page cache: not the disk's speed)
 
 
 def pass_requests(model: Model, max_bytes: int, chunk_bytes: int = CHUNK_BYTES) -> list[tuple[int, int]]:
@@ -84,10 +85,11 @@ def disk_speed(model: Model, max_bytes: int = 768 << 20, io_threads: int = IO_TH
     requests = pass_requests(model, max_bytes)
     if not requests:
         raise FlexoffloadError(f"cannot measure disk speed on {model.path}: no tensor to read")
+    direct = True
     try:
         fd = os.open(model.path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
     except OSError:  # a file system without O_DIRECT (tmpfs): buffered reads, page cache and all
-        fd = os.open(model.path, os.O_RDONLY)
+        fd, direct = os.open(model.path, os.O_RDONLY), False
     try:
         largest = max(n for _, n in requests)
         buffers = [huge_buffer(largest) for _ in range(io_threads)]
@@ -116,7 +118,7 @@ def disk_speed(model: Model, max_bytes: int = 768 << 20, io_threads: int = IO_TH
         os.close(fd)
     if not rates or max(rates) <= 0:
         raise FlexoffloadError(f"cannot measure disk speed on {model.path}: nothing was read")
-    return DiskSpeed(bandwidth=statistics.median(rates), latency=latency, passes=tuple(rates))
+    return DiskSpeed(bandwidth=statistics.median(rates), latency=latency, passes=tuple(rates), direct=direct)
 
 
 def warm_page_cache(path: str | os.PathLike) -> None:
@@ -143,6 +145,40 @@ def _cache_path(model: Model, n_threads: int) -> Path:
     return cache_dir() / "profiles" / f"{model.path.name}-{st.st_size}-{int(st.st_mtime)}-t{n_threads}-v4.json"
 
 
+# Reads that show a sustained bandwidth: at least this many bytes, all with O_DIRECT (a small model's few reads say
+# more about latency; buffered ones may come from the page cache)
+SUSTAINED_BYTES = 256 << 20
+
+
+def _best_path(path) -> Path | None:
+    try:
+        return cache_dir() / "profiles" / f"disk-best-{os.stat(path).st_dev}.json"  # one a device
+    except OSError:
+        return None
+
+
+def best_disk_bw(path) -> float:
+    """The best sustained read bandwidth the device holding path has shown (0 if none is known)."""
+    best = _best_path(path)
+    try:
+        return float(json.loads(best.read_text())["bytes_per_s"]) if best else 0.0
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0.0
+
+
+def record_disk_bw(path, bytes_per_s: float, source: str) -> None:
+    """Remember bytes_per_s if it is the best the device holding path has shown: a profile's pass, or a streamed
+    run's bytes over its time. The roofline is computed from it: a ceiling must not sit below what a run reached,
+    and this disk drifts between about 0.8 and 2.2 GB/s, so a median is no ceiling."""
+    best = _best_path(path)
+    if best is None or bytes_per_s <= best_disk_bw(path):
+        return
+    best.parent.mkdir(parents=True, exist_ok=True)
+    tmp = best.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"bytes_per_s": bytes_per_s, "source": source, "file": str(path)}))
+    tmp.replace(best)
+
+
 def measure(model: Model, n_threads: int, remeasure: bool = False) -> Profile:
     """The machine's profile for this model, measured once and cached."""
     cached = _cache_path(model, n_threads)
@@ -150,6 +186,8 @@ def measure(model: Model, n_threads: int, remeasure: bool = False) -> Profile:
         d = json.loads(cached.read_text())
         return Profile.from_dict(d)
     disk = disk_speed(model)
+    if disk.direct and sum(n for _, n in pass_requests(model, 768 << 20)) >= SUSTAINED_BYTES:
+        record_disk_bw(model.path, max(disk.passes), "profile")
     tok_s = compute_speed(model.path, n_threads)
     profile = Profile.calibrated(model, tok_s=tok_s, disk_bw=disk.bandwidth, io_latency=disk.latency)
     cached.parent.mkdir(parents=True, exist_ok=True)

@@ -261,7 +261,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=int(env("PROMPTS", "4")), help="evaluation prompts (of 40-163)")
     ap.add_argument("--on-tuning", action="store_true", default=bool(env("ON_TUNING")),
                     help="measure on the tuning prompts (of 0-39) instead: what speculation yields, to set "
-                         "speculate.TOKENS_PER_PASS and DRAFT_STEPS")
+                         "spectree.TOKENS_PER_PASS and DRAFT_STEPS")
     ap.add_argument("--tune-prompts", type=int, default=int(env("TUNE_PROMPTS", "2")), help="tuning prompts (of 0-39)")
     ap.add_argument("--draft-ns", default=env("DRAFT_NS", "2,4,8,16"), help="llama-speculative's n-max values tried")
     ap.add_argument("-n", "--n-predict", type=int, default=int(env("N", "64")))

@@ -17,7 +17,6 @@ Writes a CSV row per run (or per disk pass).
 from __future__ import annotations
 
 import argparse
-import csv
 import sys
 from unittest import mock
 
@@ -25,6 +24,7 @@ from flexoffload import budget as budgets
 from flexoffload import engine, models, planners, plan as plans, profile, stream
 from flexoffload.model import load
 from flexoffload.planners import balanced
+from flexoffload.bench import write_csv
 
 
 def make(model, prof, mem: int, name: str, n_ctx: int):
@@ -73,10 +73,7 @@ def main() -> None:
                              "stall_s": st.t_stall_s, "mib_a_pass": st.bytes_read / max(st.n_passes, 1) / 2**20})
                 print(f"{name} #{rep + 1}: {out.decode_tok_s:.2f} tok/s (predicted {p.predicted_tok_s:.2f})",
                       file=sys.stderr, flush=True)
-    with open(a.output, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+    write_csv(rows, a.output)
 
 
 if __name__ == "__main__":

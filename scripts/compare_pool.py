@@ -15,7 +15,6 @@ free memory is: the allocator serves single pages from those first. Needs root.
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
 import subprocess
@@ -24,7 +23,7 @@ from pathlib import Path
 
 from flexoffload import budget as budgets
 from flexoffload import models
-
+from flexoffload.bench import write_csv
 
 
 # maps 2N GiB, touches every page, gives every other one back, says so and holds the rest until stdin closes
@@ -90,10 +89,7 @@ def main() -> None:
                       f"{row['mean_request_kib']:.0f} KiB, peak {row['peak_mb']:.0f} MiB", flush=True)
     if helper:
         helper.communicate("")
-    with open(a.output, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+    write_csv(rows, a.output)
 
 
 if __name__ == "__main__":

@@ -9,11 +9,11 @@ cheapest mask llama.cpp builds), on the real 1.5B with all weights in memory, so
 from __future__ import annotations
 
 import argparse
-import csv
 import statistics
 import time
 
 from flexoffload import engine, models, speculate
+from flexoffload.bench import write_csv
 
 
 def tree_items(pos0: int, n_tokens: int, n_branches: int, token: int) -> list[tuple[int, int, list[int], bool]]:
@@ -58,10 +58,7 @@ def main() -> None:
                              "pass_s_median": statistics.median(times), "pass_s_min": min(times)})
                 print(rows[-1], flush=True)
         batch.free()
-    with open(args.output, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+    write_csv(rows, args.output)
 
 
 if __name__ == "__main__":

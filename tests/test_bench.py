@@ -11,7 +11,7 @@ def test_bench_two_strategies_on_the_tiny_model(tiny_model, tmp_path):
             "-c", "256", "-o", str(out), check=True)
     rows = list(csv.DictReader(open(out)))
     columns = ["model", "size_mb", "budget", "budget_mb", "strategy", "runs", "tok_s_mean", "tok_s_sd", "ttft_s_mean",
-               "peak_mb", "enforced", "predicted_tok_s", "roofline_tok_s", "error"]
+               "peak_mb", "enforced", "predicted_tok_s", "roofline_tok_s", "read_gb_s", "error"]
     assert list(rows[0]) == columns
     assert [(row["budget"], row["strategy"]) for row in rows] == [
         (b, s) for b in ("300M", "400M") for s in ("mmap", "balanced", "roofline")]

@@ -6,7 +6,7 @@ from flexoffload import FlexoffloadError, models, synth
 from flexoffload.costmodel import Pipeline, Profile, roofline
 from flexoffload.model import Model, Tensor, load, tensor_kind
 from flexoffload.planners import (ATTENTION, FFN, POLICIES, always_resident, by_kind, is_small, layer_pool,
-                                  make_plan, memory_for, minimum_budget)
+                                  ceiling, make_plan, memory_for, minimum_budget)
 
 # 8 layers, F32: attn_q/attn_output 1 MiB, attn_k/v 256 KiB (small), FFN 3 MiB each, token_embd/output 2 MiB
 SHAPE = synth.Shape(n_layer=8, n_embd=512, n_ff=1536, n_head=8, n_head_kv=2, n_vocab=1024, n_ctx_train=512)
@@ -264,7 +264,9 @@ def test_make_plan_accounts_the_whole_budget(qwen):
             assert not set(p.resident) & set(p.streamed)
             assert p.memory.window == Pipeline(qwen).window_bytes(set(p.resident), 3)
             capacity = budget - (128 << 20)
-            assert p.roofline_tok_s == pytest.approx(roofline(qwen, prof, capacity))
+            # the roofline's disk: the best this device has shown, where above the profile's
+            assert p.roofline_tok_s == pytest.approx(roofline(qwen, ceiling(qwen, prof), capacity))
+            assert p.roofline_tok_s >= roofline(qwen, prof, capacity) - 1e-9
             assert p.predicted_tok_s <= p.roofline_tok_s
 
 

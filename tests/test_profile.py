@@ -52,3 +52,28 @@ def test_disk_speed_measures_the_file(model, tiny_model):
     tiny = load(tiny_model)  # every tensor small: it reads them all the same
     assert len(profile.pass_requests(tiny, 1 << 30)) == sum(t.kind in costmodel.MATMUL_KINDS for t in tiny.tensors)
     assert profile.disk_speed(tiny, passes=1).bandwidth > 0
+
+
+def test_the_best_bandwidth_is_kept_per_device_and_only_raised(tmp_path, monkeypatch):
+    """The roofline's disk figure: the best a profile pass or a run has shown on the model's device."""
+    from dataclasses import replace
+
+    from flexoffload import planners
+    from flexoffload.costmodel import Profile
+
+    monkeypatch.setenv("FLEXOFFLOAD_CACHE", str(tmp_path / "cache"))
+    f = tmp_path / "model.gguf"
+    f.write_bytes(b"x")
+    assert profile.best_disk_bw(f) == 0.0
+    profile.record_disk_bw(f, 1.5e9, "profile")
+    profile.record_disk_bw(f, 1.2e9, "run")  # lower: kept as it was
+    assert profile.best_disk_bw(f) == 1.5e9
+    profile.record_disk_bw(f, 2.1e9, "run")
+    assert profile.best_disk_bw(f) == 2.1e9
+    assert profile.best_disk_bw(tmp_path / "missing.gguf") == 0.0
+
+    class Fake:
+        path = f
+    slow = Profile(disk_bw=1.0e9)
+    assert planners.ceiling(Fake, slow) == replace(slow, disk_bw=2.1e9)
+    assert planners.ceiling(Fake, Profile(disk_bw=3e9)).disk_bw == 3e9

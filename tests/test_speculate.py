@@ -9,9 +9,9 @@ from dataclasses import replace
 
 import pytest
 
-from flexoffload import engine, models, speculate, synth
+from flexoffload import engine, models, speculate, spectree, synth
 from flexoffload.model import load
-from flexoffload.speculate import Branch, Node, Options
+from flexoffload.spectree import Options
 
 from conftest import cli
 
@@ -22,49 +22,6 @@ ALL_OPTIONS = {
     "no-adaptive": Options(adaptive=False, max_nodes=12),
     "pipeline": Options(pipeline=True),
 }
-
-
-def _branch(conf: float, length: int, done: bool = False) -> Branch:
-    leaf = Node(1, None, 10 + length, conf, conf)
-    return Branch(0, leaf, length, done)
-
-
-def test_pacer_gives_the_next_token_to_the_branch_furthest_below_its_share():
-    # f(x) = M * C_x / sum(C) - T_x with C = 0.6 and 0.2: shares of M are 3/4 and 1/4
-    assert speculate.pace([_branch(0.6, 2), doubtful := _branch(0.2, 1)], 4) is not doubtful  # 1 against 0
-    assert speculate.pace([_branch(0.6, 4), doubtful := _branch(0.2, 0)], 4) is doubtful  # -1 against 1
-    assert speculate.pace([confident := _branch(0.6, 3), _branch(0.2, 1)], 8) is confident  # 3 against 1
-    assert speculate.pace([_branch(0.6, 7), doubtful := _branch(0.2, 0)], 8) is doubtful  # -1 against 2
-    assert speculate.pace([_branch(0.9, 0, done=True)], 4) is None
-
-
-def test_round_robin_grows_the_shortest():
-    a, b = _branch(0.9, 3), _branch(0.1, 2)
-    assert speculate.round_robin([a, b]) is b
-    assert speculate.round_robin([_branch(0.9, 0, done=True)]) is None
-
-
-def test_alpha_halves_when_all_correct_and_is_the_error_fraction_otherwise():
-    assert speculate.next_alpha(0.01, 5, 5) == pytest.approx(0.005)
-    assert speculate.next_alpha(0.01, 3, 4) == pytest.approx(0.25)
-    assert speculate.next_alpha(0.5, 0, 2) == pytest.approx(1.0)
-
-
-def test_speculation_is_predicted_to_pay_only_where_the_target_waits_on_its_reads():
-    """A tree's pass costs compute per node: with every weight in memory (a pass is compute) the target alone is
-    predicted faster; where a pass is mostly reading, the draft's tokens pay."""
-    compute, draft = 0.045, 0.012  # the 1.5B target's and the 0.5B draft's seconds a token from memory
-    assert speculate.predicted_tok_s(compute, draft, compute) < 1 / compute
-    assert speculate.predicted_tok_s(0.25, draft, compute) > 1 / 0.25
-    assert speculate.predicted_tok_s(0.25, draft, compute) < speculate.predicted_tok_s(0.25, draft, 0.0)
-
-
-def test_path_from_walks_down_from_the_top():
-    root = Node(1, None, 5, 1.0, 1.0)
-    a = Node(2, root, 6, 0.5, 0.5)
-    b = Node(3, a, 7, 0.5, 0.25)
-    assert [n.token for n in b.path_from(root)] == [1, 2, 3]
-    assert b.path_from(b) == [b]
 
 
 # --- on the native library --------------------------------------------------------------------------------------
@@ -103,7 +60,7 @@ def test_greedy_tree_output_equals_the_target_alone(tiny_pair, name, strategy, w
         assert t["n_verify"] >= 1 and t["n_drafted"] >= t["n_accepted"] >= 0
         assert t["tokens_per_pass"] == pytest.approx(len(got.tokens) / t["n_verify"])
         if name == "chain":
-            assert t["tree_size_max"] <= speculate.MAX_NODES
+            assert t["tree_size_max"] <= spectree.MAX_NODES
         if strategy == "prefetch":  # one pass over the streamed weights per verification, none read twice
             assert t["stream_rereads"] == 0
             assert t["stream_passes"] == t["n_verify"] + 1  # + the prompt
@@ -121,18 +78,18 @@ def test_a_draft_step_the_pipeline_aborts_leaves_the_draft_cache_as_it_was(tiny_
         mem = lib.llama_get_memory(d.ctx)
         before = lib.llama_memory_seq_pos_max(mem, 0)
         tokens = d.tokenize("a b c d e")
-        spec._dbatch = speculate._Batch(lib, d.n_batch, 1)  # generate freed its own
-        lib.llama_set_abort_callback(d.ctx, spec._abort, None)
+        spec.call.dbatch = speculate._Batch(lib, d.n_batch, 1)  # generate freed its own
+        lib.llama_set_abort_callback(d.ctx, spec.abort, None)
         try:
-            spec._target_done = True  # the target's pass is over
-            assert spec._draft_decode(tokens, before + 1, 0) is None
+            spec.target_done = True  # the target's pass is over
+            assert spec.draft_decode(tokens, before + 1, 0) is None
             assert lib.llama_memory_seq_pos_max(mem, 0) == before
-            spec._target_done = False  # a pass under way: the step runs
-            assert spec._draft_decode(tokens, before + 1, 0) is not None
+            spec.target_done = False  # a pass under way: the step runs
+            assert spec.draft_decode(tokens, before + 1, 0) is not None
             assert lib.llama_memory_seq_pos_max(mem, 0) == before + len(tokens)
         finally:
             lib.llama_set_abort_callback(d.ctx, lib.ggml_abort_callback(), None)
-            spec._dbatch.free()
+            spec.call.dbatch.free()
 
 
 def test_the_pipeline_thread_goes_idle_and_back():

@@ -217,9 +217,19 @@ def make_plan(model: Model, budget: int, policy: str, profile: Profile, window: 
         streamed=tuple(t.name for t in model.tensors if t.name not in resident),
         window=window, io_threads=io_threads,
         predicted_tok_s=1.0 / seconds,
-        roofline_tok_s=roofline(model, profile, capacity),
+        roofline_tok_s=roofline(model, ceiling(model, profile), capacity),
         profile=profile,
     )
+
+
+def ceiling(model: Model, profile: Profile) -> Profile:
+    """The profile with the best disk bandwidth this machine has shown for the model's device, for the roofline
+    (the plan itself is predicted with the profile's median: what to expect, not the best case)."""
+    from dataclasses import replace
+
+    from ..profile import best_disk_bw
+
+    return replace(profile, disk_bw=max(profile.disk_bw, best_disk_bw(model.path)))
 
 
 def plan_budget(model: Model, budget: int, policy: str, profile: Profile, n_ctx: int, n_batch: int,

@@ -1,0 +1,200 @@
+"""The tree of token-tree speculation (LLMCad), without llama.cpp: nodes and branches, the branch pacer, the adaptive
+fallback threshold, the order the target verifies a tree in and the walk down it, and what speculation is predicted
+to yield. speculate.py runs it on the two models.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+THRESHOLD = 0.3  # a candidate this likely opens a branch (LLMCad)
+ALPHA = 0.01  # starting fallback threshold on the tree-cumulative confidence (LLMCad)
+MAX_BRANCHES = 16  # sequences per model: branches alive in one tree
+MAX_NODES = 48  # cap on the tree's node budget (the target's batch, and its logits rows)
+MIN_NODES = 4
+# What a tree yields over the tuning prompts (HumanEval 0, 5, ..., 35; the tree with the defaults at 0.8x, -n 64;
+# results/llmcad_tune.csv): tokens per target pass (509 in 59 passes), and draft steps per tree (its nodes, 14.6 a
+# pass). Used only to predict whether speculation pays at a budget (predicted_tok_s).
+TOKENS_PER_PASS = 8.6
+DRAFT_STEPS = 14.6
+# What verifying costs beyond a one-token pass: each further node of the tree, a share of the target's compute per
+# token with every weight in memory. Verification uses the one-token kernels (patch 0008), so the nodes are near
+# linear in compute: 17-token tree passes took 0.51-0.64 s, 9-token ones 0.32-0.45 s, against 0.045 s for one token
+# (results/tree_mask_overhead.csv, all weights in memory): (0.58 - 0.33) / 8 / 0.045 = 0.7 a node.
+VERIFY_SHARE = 0.7
+
+
+@dataclass
+class Options:
+    tree: bool = True  # False: a linear chain (only the draft's top token)
+    pacer: bool = True  # False: branches grow in turn (round robin)
+    adaptive: bool = True  # False: verify only when the tree reaches its node budget
+    pipeline: bool = False  # draft on while the target verifies (measured within noise on 2 cores: off by default)
+    threshold: float = THRESHOLD
+    alpha: float = ALPHA
+    max_nodes: int | None = None  # node budget; None: from the measured target pass and draft token times
+
+
+class Node:
+    __slots__ = ("token", "parent", "pos", "prob", "conf", "children", "decoded", "in_pass")
+
+    def __init__(self, token: int, parent: "Node | None", pos: int, prob: float, conf: float):
+        self.token, self.parent, self.pos, self.prob, self.conf = token, parent, pos, prob, conf
+        self.children: list[Node] = []
+        self.decoded = False  # in the draft's KV cache
+        self.in_pass = False  # part of the target pass being verified
+
+    def path_from(self, top: "Node") -> list["Node"]:
+        """The nodes from top (included) down to this one."""
+        path, node = [], self
+        while node is not top:
+            path.append(node)
+            node = node.parent
+        path.append(top)
+        return path[::-1]
+
+
+@dataclass
+class Branch:
+    seq: int  # the draft's sequence id
+    leaf: Node
+    length: int = 0  # tokens drafted on this branch (T_x in LLMCad eq. 1)
+    done: bool = False  # ended in end of generation, or out of room
+
+
+@dataclass
+class Stats:
+    n_verify: int = 0
+    n_drafted: int = 0  # tree nodes the target checked, roots excluded
+    n_accepted: int = 0  # of those, kept
+    n_reused: int = 0  # tokens drafted during verification and kept
+    tree_sizes: list[int] = field(default_factory=list)
+    draft_s: float = 0.0  # drafting between target passes
+    pipeline_draft_s: float = 0.0  # drafting during target passes (the pipeline), not on the critical path
+    target_s: float = 0.0
+    stall_s: float = 0.0
+
+    def to_dict(self, n_gen: int) -> dict:
+        sizes = self.tree_sizes or [0]
+        return {
+            "n_verify": self.n_verify,
+            "tokens_per_pass": n_gen / self.n_verify if self.n_verify else 0.0,
+            "acceptance_rate": self.n_accepted / self.n_drafted if self.n_drafted else 0.0,
+            "n_drafted": self.n_drafted, "n_accepted": self.n_accepted, "n_reused": self.n_reused,
+            "tree_size_mean": sum(sizes) / len(sizes), "tree_size_max": int(max(sizes)),
+            "draft_s": self.draft_s, "pipeline_draft_s": self.pipeline_draft_s,
+            "target_compute_s": max(self.target_s - self.stall_s, 0.0),
+            "io_stall_s": self.stall_s, "target_s": self.target_s,
+        }
+
+
+def predicted_tok_s(pass_s: float, draft_token_s: float, target_token_s: float) -> float:
+    """The decode speed speculation can be expected to reach: TOKENS_PER_PASS tokens for one target pass over a tree
+    of DRAFT_STEPS nodes past its root and DRAFT_STEPS draft tokens (draft_token_s each). The pass: a one-token pass
+    by the target's plan with the draft's memory taken out (pass_s), and VERIFY_SHARE of the target's compute per
+    token (target_token_s, every weight in memory) for each further node."""
+    return TOKENS_PER_PASS / (pass_s + DRAFT_STEPS * (draft_token_s + VERIFY_SHARE * target_token_s))
+
+
+def pace(branches: list[Branch], n_nodes: int) -> Branch | None:
+    """LLMCad's branch pacer (eq. 1-2): the next draft token goes to the branch furthest below its share of the
+    tree, f(x) = M * C_x / sum(C) - T_x, so lengths follow cumulative confidence (max-min fairness)."""
+    alive = [b for b in branches if not b.done]
+    if not alive:
+        return None
+    total = sum(b.leaf.conf for b in alive) or 1.0
+    return max(alive, key=lambda b: n_nodes * b.leaf.conf / total - b.length)
+
+
+def round_robin(branches: list[Branch]) -> Branch | None:
+    """Without the pacer: the shortest branch grows, so all grow in turn."""
+    alive = [b for b in branches if not b.done]
+    return min(alive, key=lambda b: b.length) if alive else None
+
+
+def next_alpha(alpha: float, n_correct: int, n_all: int) -> float:
+    """LLMCad eq. 3: halve the fallback threshold when the most matching branch was all correct, else set it to
+    the branch's error fraction."""
+    return alpha * 0.5 if n_correct >= n_all else (n_all - n_correct) / n_all
+
+
+class Tree:
+    """One draft tree: its root (the target's last token), its branches (a draft sequence each), its node count."""
+
+    def __init__(self, root: Node, leaf: Node | None = None):
+        """A tree at root; leaf: a chain below root drafted already (during the target's last pass), made the
+        first branch with its confidences counted from the new root."""
+        root.parent, root.prob, root.conf, root.in_pass = None, 1.0, 1.0, False
+        for c in root.children:
+            c.in_pass = False
+        self.root, self.branches, self.n_nodes = root, [Branch(0, leaf or root)], 1
+        node = root
+        while node is not (leaf or root):
+            node = node.children[0]
+            node.conf = node.parent.conf * node.prob
+            self.n_nodes += 1
+
+    def next_branch(self, pacer: bool) -> Branch | None:
+        return pace(self.branches, self.n_nodes) if pacer else round_robin(self.branches)
+
+    def confidence(self) -> float:
+        """T_c in LLMCad: the most confident branch's cumulative confidence."""
+        return max(b.leaf.conf for b in self.branches)
+
+    def add(self, leaf: Node, token: int, prob: float) -> Node:
+        node = Node(token, leaf, leaf.pos + 1, prob, leaf.conf * prob)
+        leaf.children.append(node)
+        self.n_nodes += 1
+        return node
+
+    def path(self, node: Node) -> list[Node]:
+        return node.path_from(self.root)
+
+    def owner(self, node: Node) -> int:
+        """The index of the first branch whose path goes through node."""
+        return next(i for i, b in enumerate(self.branches) if node in self.path(b.leaf))
+
+    def for_pass(self, n_max: int) -> tuple[list[Node], dict[int, list[int]]]:
+        """The nodes one target pass verifies (at most n_max), marked in_pass, and the branches each lies on (its
+        sequences in the target's cache). Branch by branch, each from the root down, so the cells of any
+        root-to-node path lie in position order, as in a run without speculation."""
+        nodes, seen = [], set()
+        for b in self.branches:
+            for n in self.path(b.leaf):
+                if id(n) not in seen:
+                    seen.add(id(n))
+                    nodes.append(n)
+        nodes = nodes[:n_max]
+        seqs = {id(n): [] for n in nodes}
+        for i, b in enumerate(self.branches):
+            for n in self.path(b.leaf):
+                if id(n) in seqs:
+                    seqs[id(n)].append(i)
+        for n in nodes:
+            n.in_pass = True
+        return nodes, seqs
+
+    def walk(self, nodes: list[Node], sample: Callable[[int], int],
+             is_eog: Callable[[int], bool]) -> tuple[list[int], Node, bool]:
+        """Down the verified tree by the target's own tokens: at each node sample(i) (i: its row in the pass) picks
+        the target's token, and the walk goes on while that token is a child the target verified. The tokens (the
+        accepted ones, then the target's own), the last accepted node, and whether generation ended."""
+        row = {id(n): i for i, n in enumerate(nodes)}
+        node, out = self.root, []
+        while True:
+            token = sample(row[id(node)])
+            out.append(token)
+            if is_eog(token):
+                return out, node, True
+            child = next((c for c in node.children if c.in_pass and c.token == token), None)
+            if child is None:
+                return out, node, False
+            node = child
+
+    def matched(self, last: Node) -> int:
+        """The nodes the target checked on the most matching branch (the deepest through last), root excluded:
+        LLMCad eq. 3's n_all."""
+        deepest = max((b.leaf for b in self.branches if last in self.path(b.leaf)), key=lambda n: n.pos,
+                      default=last)
+        return sum(1 for n in self.path(deepest)[1:] if n.in_pass)
