@@ -56,6 +56,7 @@ class Request:
     adaptive: bool = True
     pipeline: bool = False
     draft_always: bool = False  # speculate even where the target alone is predicted faster
+    tuned: bool = True  # stream by a plan --tune made for this model, budget and machine, where there is one
     verbose: bool = False
 
 
@@ -108,6 +109,13 @@ def plan_for_run(model, r: Request, limit: int | None, n_outputs: int = 1, n_seq
         plans.check_fits(plan, model, limit, r.plan_dir)
         return plan
     policy, window = r.policy, r.window
+    if r.tuned and r.strategy == "stream" and policy == "balanced" and window is None and limit is not None \
+            and n_outputs == 1 and not draft:
+        from . import tune
+
+        tuned = tune.cached(model, limit, r.n_ctx, r.n_batch)
+        if tuned is not None:
+            return tuned
     if r.strategy in ("prefetch", "sync"):
         policy, window = "none", 0 if r.strategy == "sync" else (WINDOW if window is None else window)
     elif limit is None:

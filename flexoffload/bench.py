@@ -24,12 +24,15 @@ from .defaults import POLICIES, STRATEGIES  # a bench entry is a strategy, or a 
 
 
 def strategy_fields(name: str) -> dict:
-    """api.Request fields for a bench entry: a strategy, or a resident-set policy streamed by."""
+    """api.Request fields for a bench entry: a strategy, a resident-set policy streamed by (as planned, untuned), or
+    `tuned`: the plan `plan --tune` chose (made first where there is none)."""
     if name in STRATEGIES:
-        return {"strategy": name}
+        return {"strategy": name, "tuned": False}
     if name in POLICIES:
-        return {"strategy": "stream", "policy": name}
-    raise FlexoffloadError(f"unknown strategy {name!r}: one of {', '.join(STRATEGIES + POLICIES)}")
+        return {"strategy": "stream", "policy": name, "tuned": False}
+    if name == "tuned":
+        return {"strategy": "stream", "policy": "balanced", "tuned": True}
+    raise FlexoffloadError(f"unknown strategy {name!r}: one of {', '.join(STRATEGIES + POLICIES + ('tuned',))}")
 
 
 @dataclass
@@ -75,6 +78,12 @@ def run(model_spec, mems, strategies, repetitions, n_predict, prompt, n_ctx, n_t
     total = len(budgets_bytes) * len(strategies) * repetitions
     with tqdm(total=total, desc="bench", unit="run", file=sys.stderr, disable=None) as bar:
         for label, limit in budgets_bytes:
+            if "tuned" in strategies:
+                from . import tune
+
+                if tune.cached(model, limit, n_ctx, 512) is None:
+                    bar.set_postfix_str(f"{label} tuning")
+                    tune.tune(model, limit, profile, n_ctx, 512)
             # the strategies in turn within each repetition, not one strategy's repetitions in a row: the disk's
             # speed drifts over minutes here, and this spreads the drift over all strategies alike
             runs = {name: [] for name in strategies}

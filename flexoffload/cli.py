@@ -106,18 +106,21 @@ def _report(result: dict, as_json: bool) -> None:
               help="draft on while the target verifies, under SCHED_IDLE (within noise on 2 cores: off by default)")
 @click.option("--draft-always", is_flag=True,
               help="speculate even where the target alone is predicted faster at --mem [default: run it alone]")
+@click.option("--tuned/--untuned", default=True, show_default=True,
+              help="stream by the plan `plan --tune` made for this model, budget and -c/-b, where there is one")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object instead of text and timings")
 @click.option("-v", "--verbose", is_flag=True, help="show llama.cpp's log")
 @_errors_as_one_line
 def run(model_spec, prompt, prompt_file, n_predict, ctx_size, batch_size, threads, temp, seed, mem, enforce,
         strategy, policy, plan_dir, window, io_threads, draft_spec, draft_max, draft_p_split, spec_mode, no_pacer,
-        no_adaptive, pipeline, draft_always, as_json, verbose):
+        no_adaptive, pipeline, draft_always, tuned, as_json, verbose):
     """Generate text from a prompt (with -md: speculation by a resident draft model)."""
     from . import api
 
     request = request_from_flags(model_spec, prompt, prompt_file, n_predict, ctx_size, batch_size, threads, temp,
                                  seed, mem, strategy, policy, plan_dir, window, io_threads, draft_spec, draft_max,
-                                 draft_p_split, spec_mode, no_pacer, no_adaptive, pipeline, draft_always, verbose)
+                                 draft_p_split, spec_mode, no_pacer, no_adaptive, pipeline, draft_always, tuned,
+                                 verbose)
     on_text = None if as_json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
     result = api.generate(request, on_text, enforce=enforce, echo=lambda msg: click.echo(msg, err=True))
     _report(result, as_json)
@@ -125,7 +128,7 @@ def run(model_spec, prompt, prompt_file, n_predict, ctx_size, batch_size, thread
 
 def request_from_flags(model_spec, prompt, prompt_file, n_predict, ctx_size, batch_size, threads, temp, seed, mem,
                        strategy, policy, plan_dir, window, io_threads, draft_spec, draft_max, draft_p_split,
-                       spec_mode, no_pacer, no_adaptive, pipeline, draft_always, verbose):
+                       spec_mode, no_pacer, no_adaptive, pipeline, draft_always, tuned, verbose):
     """api.Request from `run`'s flags (the prompt read from -f as llama.cpp reads it)."""
     from . import api
 
@@ -134,7 +137,7 @@ def request_from_flags(model_spec, prompt, prompt_file, n_predict, ctx_size, bat
         n_batch=batch_size, n_threads=threads, temp=temp, seed=seed, mem=mem, strategy=strategy, policy=policy,
         plan_dir=plan_dir, window=window, io_threads=io_threads, draft=draft_spec, draft_max=draft_max,
         draft_p_split=draft_p_split, spec=spec_mode, pacer=not no_pacer, adaptive=not no_adaptive,
-        pipeline=pipeline, draft_always=draft_always, verbose=verbose)
+        pipeline=pipeline, draft_always=draft_always, tuned=tuned, verbose=verbose)
 
 
 def request_from_args(args: list[str]):
@@ -210,9 +213,14 @@ def profile(model_spec, threads, remeasure, as_json):
 @click.option("--io-threads", default=4, show_default=True)
 @click.option("-o", "--output", "out_dir", required=True, type=click.Path(file_okay=False),
               help="directory for tensors.ot and plan.json")
+@click.option("--tune", "tune_best", type=int, default=None, is_flag=False, flag_value=3, metavar="[N]",
+              help="measure the N best predicted plans (3) and every baseline policy under the enforced budget, "
+                   "keep the fastest (run --mem then uses it)")
+@click.option("--tune-rounds", default=2, show_default=True, help="runs of each candidate, in turn")
 @click.option("--json", "as_json", is_flag=True)
 @_errors_as_one_line
-def plan(model_spec, mem, policy, ctx_size, batch_size, threads, window, io_threads, out_dir, as_json):
+def plan(model_spec, mem, policy, ctx_size, batch_size, threads, window, io_threads, out_dir, tune_best, tune_rounds,
+         as_json):
     """Choose which tensors stay resident under a budget; write tensors.ot and plan.json."""
     from . import plan as plans
     from . import profile as profiler
@@ -220,8 +228,18 @@ def plan(model_spec, mem, policy, ctx_size, batch_size, threads, window, io_thre
     from .planners import plan_budget
 
     model = load(catalog.resolve(model_spec))
-    p = plan_budget(model, budgets.parse_size(mem, model.file_size), policy, profiler.measure(model, threads),
-                    n_ctx=ctx_size, n_batch=batch_size, window=window, io_threads=io_threads)
+    budget = budgets.parse_size(mem, model.file_size)
+    profile = profiler.measure(model, threads)
+    if tune_best is not None:
+        from . import tune
+
+        if tune_best < 1 or tune_rounds < 1 or policy != "balanced" or window is not None:
+            raise FlexoffloadError("--tune takes N >= 1 and --tune-rounds >= 1; it chooses the policy and window")
+        p = tune.tune(model, budget, profile, ctx_size, batch_size, tune_best, tune_rounds,
+                      echo=None if as_json else lambda msg: click.echo(msg, err=True))
+    else:
+        p = plan_budget(model, budget, policy, profile, n_ctx=ctx_size, n_batch=batch_size, window=window,
+                        io_threads=io_threads)
     plans.write(p, out_dir)
     if as_json:
         click.echo(json.dumps(p.to_dict()))
@@ -234,6 +252,10 @@ def plan(model_spec, mem, policy, ctx_size, batch_size, threads, window, io_thre
     click.echo(f"  KV cache {m.kv_cache / MiB:.0f} MiB, compute buffers {m.compute / MiB:.0f} MiB, "
                f"runtime {m.overhead / MiB:.0f} MiB: {m.total / MiB:.0f} of {p.budget / MiB:.0f} MiB")
     click.echo(f"  predicted {p.predicted_tok_s:.2f} tok/s; roofline {p.roofline_tok_s:.2f} tok/s")
+    if p.tuning:
+        from . import tune
+
+        click.echo("  tuned: the candidates, measured under the budget\n" + tune.describe(p))
 
 
 # --- info -------------------------------------------------------------------------------------

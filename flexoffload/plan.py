@@ -57,12 +57,14 @@ class Plan:
     predicted_tok_s: float
     roofline_tok_s: float
     profile: Profile | None = None  # the profile the prediction used
+    tuning: tuple = ()  # plan --tune: every candidate's policy, window, predicted and measured tok/s (tune.py)
 
     def to_dict(self) -> dict:
         d = asdict(self)
         d["memory"]["total"] = self.memory.total
         d["resident"], d["streamed"] = list(self.resident), list(self.streamed)
         d["profile"] = self.profile.to_dict() if self.profile else None
+        d["tuning"] = [dict(t) for t in self.tuning]
         return d
 
     @classmethod
@@ -70,7 +72,7 @@ class Plan:
         memory = {k: v for k, v in d["memory"].items() if k != "total"}
         profile = Profile.from_dict(d["profile"]) if d.get("profile") else None
         return cls(**{**d, "memory": Memory(**memory), "resident": tuple(d["resident"]),
-                      "streamed": tuple(d["streamed"]), "profile": profile})
+                      "streamed": tuple(d["streamed"]), "profile": profile, "tuning": tuple(d.get("tuning", ()))})
 
 
 def streamed_bytes(plan: Plan, model) -> int:

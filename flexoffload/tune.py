@@ -1,0 +1,123 @@
+"""`plan --tune`: choose among plans by measuring them, where the cost model cannot tell them apart.
+
+At low budgets every policy streams nearly the same bytes and the cost model predicts them within a few per cent,
+yet one measured faster than another by 30% (ffn-first against balanced at 0.4x, README). So: the N plans balanced
+predicts fastest (one per window it tries) and every baseline policy at its own best window each run a few tokens
+in a fresh process under the enforced budget, cold, the candidates in turn, for a few rounds; the fastest mean is
+kept. Its plan.json records every candidate's predicted and measured tok/s (`tuning`). Tuned plans are cached per
+model file, budget, -c, -b and machine, and `run --mem` streams by one when it exists (api.plan_for_run).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import statistics
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+
+from . import FlexoffloadError
+from .defaults import POLICIES, cache_dir
+
+PROMPT = "def quicksort(arr):\n    \"\"\"Sort a list of numbers in ascending order.\"\"\"\n"
+
+
+def _machine() -> str:
+    """This machine, as far as plans care: its CPU and its memory."""
+    text = ""
+    for path, prefix in (("/proc/cpuinfo", "flags"), ("/proc/meminfo", "MemTotal")):
+        try:
+            text += next((line for line in open(path) if line.startswith(prefix)), "")
+        except OSError:
+            pass
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def cache_path(model, budget: int, n_ctx: int, n_batch: int) -> Path:
+    st = model.path.stat()
+    key = f"{model.path.name}-{st.st_size}-{int(st.st_mtime)}-m{budget}-c{n_ctx}-b{n_batch}-{_machine()}"
+    return cache_dir() / "tuned" / key
+
+
+def cached(model, budget: int, n_ctx: int, n_batch: int):
+    """The tuned plan for this model, budget, context and machine, or None."""
+    from . import plan as plans
+
+    directory = cache_path(model, budget, n_ctx, n_batch)
+    try:
+        return plans.read(directory)
+    except FlexoffloadError:
+        return None
+
+
+def candidates(model, budget: int, profile, n_ctx: int, n_batch: int, n_best: int) -> list:
+    """The n_best balanced plans by prediction (a window each) and every baseline policy's plan."""
+    from .planners import AUTO_WINDOWS, plan_budget
+
+    balanced = []
+    for window in AUTO_WINDOWS:
+        try:
+            balanced.append(plan_budget(model, budget, "balanced", profile, n_ctx, n_batch, window=window))
+        except FlexoffloadError:  # a deeper window that does not fit this budget
+            pass
+    if not balanced:
+        raise FlexoffloadError(f"no plan fits {budget} bytes for {model.path.name}")
+    balanced.sort(key=lambda p: -p.predicted_tok_s)
+    plans = balanced[:n_best] + [plan_budget(model, budget, policy, profile, n_ctx, n_batch)
+                                 for policy in POLICIES if policy != "balanced"]
+    unique, seen = [], set()
+    for p in plans:
+        key = (frozenset(p.resident), p.window)
+        if key not in seen:
+            seen.add(key)
+            unique.append(p)
+    return unique
+
+
+def tune(model, budget: int, profile, n_ctx: int = 2048, n_batch: int = 512, n_best: int = 3, rounds: int = 2,
+         n_predict: int = 8, echo=None):
+    """Measure the candidates under the enforced budget and return the fastest, with `tuning` recorded; it is
+    cached for `run --mem`."""
+    from . import api
+    from . import budget as budgets
+    from . import plan as plans
+
+    if budgets.cgroup_unavailable():
+        raise FlexoffloadError(f"--tune measures under an enforced budget: {budgets.cgroup_unavailable()}")
+    plan_list = candidates(model, budget, profile, n_ctx, n_batch, n_best)
+    speeds: list[list[float]] = [[] for _ in plan_list]
+    errors = [""] * len(plan_list)
+    with tempfile.TemporaryDirectory(prefix="flexoffload-tune-") as tmp:
+        dirs = [plans.write(p, Path(tmp) / str(i)) for i, p in enumerate(plan_list)]
+        for r in range(rounds):
+            for i, (p, directory) in enumerate(zip(plan_list, dirs)):  # in turn: the disk drifts over minutes
+                if errors[i]:
+                    continue
+                request = api.Request(model=str(model.path), prompt=PROMPT, n_predict=n_predict, n_ctx=n_ctx,
+                                      n_batch=n_batch, temp=0, mem=str(budget), plan_dir=str(directory))
+                try:
+                    prepared = api.prepare(request)
+                    budgets.drop_page_cache()
+                    speeds[i].append(api.run_in_cgroup(prepared, budget, timeout=900)["decode_tok_s"])
+                except FlexoffloadError as e:
+                    errors[i] = str(e)
+                if echo:
+                    got = f"{speeds[i][-1]:.2f} tok/s" if speeds[i] and not errors[i] else errors[i]
+                    echo(f"tune: round {r + 1}/{rounds}: {p.policy} window {p.window} (predicted "
+                         f"{p.predicted_tok_s:.2f}): {got}")
+    measured = [statistics.fmean(s) if s and not e else 0.0 for s, e in zip(speeds, errors)]
+    if not any(measured):
+        raise FlexoffloadError(f"no candidate plan ran under {budget} bytes: {errors[0]}")
+    tuning = tuple({"policy": p.policy, "window": p.window, "predicted_tok_s": p.predicted_tok_s,
+                    "measured_tok_s": m, "runs": s, "error": e}
+                   for p, m, s, e in zip(plan_list, measured, speeds, errors))
+    best = replace(plan_list[measured.index(max(measured))], tuning=tuning)
+    plans.write(best, cache_path(model, budget, n_ctx, n_batch))
+    return best
+
+
+def describe(plan) -> str:
+    """The tuning of a plan, a line a candidate."""
+    return "\n".join(f"  {t['policy']:<10} window {t['window']}: predicted {t['predicted_tok_s']:.2f}, measured "
+                     + (f"{t['measured_tok_s']:.2f} tok/s" if not t["error"] else f"failed: {t['error']}")
+                     for t in plan.tuning)

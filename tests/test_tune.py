@@ -1,0 +1,34 @@
+"""plan --tune: candidates measured under the enforced budget, the fastest kept and used by run --mem."""
+
+import json
+
+from conftest import cli
+from flexoffload import budget as budgets
+from flexoffload import synth, tune
+from flexoffload.model import load
+
+STREAMABLE = synth.Shape(n_layer=4, n_embd=1024, n_ff=2816, n_head=8, n_head_kv=4, n_vocab=384, n_ctx_train=1024)
+
+
+def test_tune_measures_the_candidates_keeps_the_fastest_and_run_uses_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLEXOFFLOAD_CACHE", str(tmp_path / "cache"))  # the children inherit it
+    path = synth.write(tmp_path / "streamable.gguf", STREAMABLE)
+    m = load(path)
+    mem = budgets.RUNTIME_OVERHEAD + budgets.context_bytes(m, 512, 512).total + m.weight_bytes * 3 // 4
+    out = json.loads(cli("plan", "-m", str(path), "--mem", str(mem), "-c", "512", "-o", str(tmp_path / "plan"),
+                         "--tune", "2", "--tune-rounds", "1", "--json", check=True).stdout)
+    tuning = out["tuning"]
+    assert len(tuning) >= 2 and all(t["error"] == "" and t["measured_tok_s"] > 0 for t in tuning)
+    best = max(tuning, key=lambda t: t["measured_tok_s"])
+    assert (out["policy"], out["window"]) == (best["policy"], best["window"])
+    assert tune.cached(m, mem, 512, 512) is not None
+
+    tuned = json.loads(cli("run", "-m", str(path), "-p", "a b c", "-n", "4", "--temp", "0", "-c", "512",
+                           "--mem", str(mem), "--json", check=True).stdout)
+    untuned = json.loads(cli("run", "-m", str(path), "-p", "a b c", "-n", "4", "--temp", "0", "-c", "512",
+                             "--mem", str(mem), "--untuned", "--json", check=True).stdout)
+    assert (tuned["plan"]["policy"], tuned["plan"]["window"]) == (best["policy"], best["window"])
+    assert tuned["tokens"] == untuned["tokens"]
+    other = json.loads(cli("run", "-m", str(path), "-p", "a b c", "-n", "4", "--temp", "0", "-c", "256",
+                           "--mem", str(mem), "--json", check=True).stdout)
+    assert other["plan"]["policy"] == "balanced"  # tuned for -c 512, not 256
