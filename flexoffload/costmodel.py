@@ -17,7 +17,8 @@ window counts layers, as the runtime's prefetcher does (design.md: read layer L+
 A streamed token_embd is not read whole: decode looks up one row of it (get_rows), and the runtime reads just the
 rows a pass looks up, synchronously when compute needs them, into pages it gives back right after (`reads_rows`).
 Its stage then has no prefetch read and no window buffer: the row's read is part of its compute, and its memory
-is the pages of ROWS_CHUNK rows, counted beside the window (`rows_memory`).
+is the pages of ROWS_CHUNK rows, counted beside the window (`rows_memory`). Where the output matrix is tied to
+token_embd, the tensor is also in the output head's stage, read there whole or in chunks like an output matrix.
 
 A streamed tensor larger than CHUNK_BYTES (the output matrix: 183 MiB on the 1.5B) is read in row chunks, each its
 own read request into its own buffer, given back as soon as the matrix multiplication is done with it (patch 0007):
@@ -93,10 +94,15 @@ def read_requests(t: Tensor, chunk_bytes: int = CHUNK_BYTES) -> int:
     return 1 if rows is None else -(-t.shape[-1] // rows)
 
 
-def reads_rows(model: Model, t: Tensor) -> bool:
-    """Whether the runtime reads only the looked-up rows of t when it streams: token_embd, used only by GET_ROWS.
-    Not when the output matrix is tied to it (no output.weight): llama.cpp then uses it twice per pass, and the
-    runtime keeps such a tensor resident."""
+def reads_rows(model: Model, t: Tensor, chunk_bytes: int = CHUNK_BYTES) -> bool:
+    """Whether a lookup in t reads only the looked-up rows when t streams: token_embd. Where the output matrix is
+    tied to it (no output.weight), the output's matmul reads all of it as well, in row chunks (patch 0007); a
+    lookup then reads rows only if t is chunked (else the runtime, seeing t used by a matmul, reads it whole)."""
+    return t.kind == "token_embd" and (not model.tied_embeddings or chunk_rows(t, chunk_bytes) is not None)
+
+
+def looked_up_only(model: Model, t: Tensor) -> bool:
+    """Whether a pass needs only the looked-up rows of t: token_embd, unless the output is tied to it."""
     return t.kind == "token_embd" and not model.tied_embeddings
 
 
@@ -319,7 +325,9 @@ class Pipeline:
         self.names = ["token_embd"] + [f"blk.{i}" for i in range(model.n_layer)] + ["output"]
         self.compute = [0.0] + [profile.layer_overhead] * model.n_layer + [profile.token_overhead]
         self.tensors: list[list[Tensor]] = [[] for _ in range(n_groups)]
-        self.rows = {t.name: t for t in model.tensors if reads_rows(model, t)}  # read by rows when streamed
+        # read by rows when streamed, for the lookup in stage 0 (a tied token_embd is read whole or chunked in the head)
+        self.rows = {t.name: t for t in model.tensors if reads_rows(model, t, chunk_bytes)}
+        self.tied = {t.name for t in tied_output(model)}
         # read buffers each tensor holds when it streams whole or chunked, and its read requests a pass
         self.held = {t.name: held_bytes(t, chunk_bytes) for t in model.tensors}
         self.sizes = {t.name: t.n_bytes for t in model.tensors}
@@ -331,7 +339,8 @@ class Pipeline:
             g = t.layer + 1 if t.layer is not None else (0 if t.kind == "token_embd" else n_groups - 1)
             self.tensors[g].append(t)
             self.compute[g] += profile.compute_seconds(t)
-        for t in tied_output(model):  # token_embd is the output matrix too: a matmul a token
+        for t in tied_output(model):  # token_embd is the output matrix too: a matmul a token, reading all of it
+            self.tensors[n_groups - 1].append(t)
             self.compute[n_groups - 1] += t.n_bytes * profile.seconds_per_byte(t.type)
 
     def stages(self, resident: Collection[str]) -> list[Stage]:
@@ -339,11 +348,12 @@ class Pipeline:
         groups = []
         for g, tensors in enumerate(self.tensors):
             streamed = [t for t in tensors if t.name not in resident]
-            # whole or chunked; a row-read tensor: one row per decoded token, read when compute needs it (no
-            # prefetch, no window)
-            whole = [t.name for t in streamed if t.name not in self.rows]
+            # whole or chunked; a row-read tensor (its lookup, in stage 0): one row per decoded token, read when
+            # compute needs it (no prefetch, no window)
+            rows = self.rows if g == 0 else {}
+            whole = [t.name for t in streamed if t.name not in rows]
             compute = self.compute[g] + sum(self.profile.read_seconds(row_bytes(t), 1, 1)
-                                            for t in streamed if t.name in self.rows)
+                                            for t in streamed if t.name in rows)
             late = [self.late[n] for n in whole if n in self.late]
             groups.append(_Group(name=self.names[g], compute_s=compute,
                                  streamed_bytes=sum(self.sizes[n] for n in whole),
@@ -417,7 +427,7 @@ def compute_seconds(model: Model, profile: Profile) -> float:
 
 def roofline(model: Model, profile: Profile, budget_for_weights: int) -> float:
     """Tokens/s no plan can beat: 1 / max(compute per token, bytes that cannot be in memory / disk bandwidth).
-    A row-read tensor (token_embd) can stream for a row a token: only the rest of its bytes are missing ones."""
-    by_rows = sum(t.n_bytes - row_bytes(t) for t in model.tensors if reads_rows(model, t))
+    A looked-up-only tensor (token_embd) can stream for a row a token: only the rest of its bytes are missing ones."""
+    by_rows = sum(t.n_bytes - row_bytes(t) for t in model.tensors if looked_up_only(model, t))
     missing = max(0, model.weight_bytes - by_rows - budget_for_weights)
     return 1.0 / max(compute_seconds(model, profile), missing / profile.disk_bw)

@@ -16,7 +16,7 @@ STRATEGIES = ("mmap", "stream", "prefetch", "sync")
 POLICIES = ("balanced", "flexinfer", "attn-first", "ffn-first", "layer")
 
 # A streamed tensor larger than this is read in row chunks, each given back after its part of the matmul (patch
-# 0007: GGML_CPU_STREAMED_CHUNK_BYTES is the runtime's default, llama_stream_params.chunk_bytes sets it).
+# 0007: GGML_CPU_STREAMED_CHUNK_BYTES is the runtime's default, llama_stream_params.chunk_bytes (0008) sets it).
 CHUNK_BYTES = 16 << 20
 
 # Layers read ahead of compute by the prefetch strategy (FlexInfer's default); plans choose their own.

@@ -97,12 +97,13 @@ class TextOut:
                 self.on_text(chunk)
 
 
-def stream_timings(elapsed_s: float) -> dict:
-    """The streaming runtime's statistics since stream.reset_stats(), as a run's timings; elapsed_s: the run's
-    time, over which what it read is a lower bound of the disk's bandwidth (compute overlaps the reads)."""
+def stream_timings(elapsed_s: float, model) -> dict:
+    """The streaming runtime's statistics of one model (its llama_model pointer) since stream.reset_stats(), as a
+    run's timings; elapsed_s: the run's time, over which what it read is a lower bound of the disk's bandwidth
+    (compute overlaps the reads)."""
     from . import stream
 
-    st = stream.stats()
+    st = stream.stats(model)
     return {"stream_bytes_read": st.bytes_read, "stream_reads": st.n_reads, "stream_direct": st.n_direct,
             "stream_stall_s": st.t_stall_s, "stream_read_s": st.t_read_s, "stream_passes": st.n_passes,
             "stream_rereads": st.n_rereads, "stream_committed_peak": st.bytes_committed_peak,
@@ -345,6 +346,6 @@ class Engine:
             lib.llama_sampler_free(sampler)
         timings = {}
         if self.settings.strategy != "mmap":
-            timings = {"resident_locked": not self.log.mlock_failed, **stream_timings(t_end - t_start)}
+            timings = {"resident_locked": not self.log.mlock_failed, **stream_timings(t_end - t_start, self.model)}
         return Result.of(prompt_tokens, out, (t_start, t_first or t_end, t_end), n_decoded, self.load_s,
                          self.settings.strategy, stop, timings)

@@ -51,7 +51,7 @@ def llama_cpp():
 
 
 def set_tiled_matmul(mode: int) -> None:
-    """ggml_cpu_set_tiled_matmul (patch 0008): -1 as the environment says, 0 off, 1 on. Process wide."""
+    """ggml_cpu_set_tiled_matmul (patch 0009): -1 as the environment says, 0 off, 1 on. Process wide."""
     import ctypes
 
     global _ggml_cpu

@@ -76,12 +76,12 @@ class Plan:
 
 
 def streamed_bytes(plan: Plan, model) -> int:
-    """Bytes a decode pass reads from disk under the plan: the streamed tensors' sizes, but for a tensor read by rows
-    (a streamed token_embd) the one row a token looks up."""
-    from .costmodel import reads_rows, row_bytes
+    """Bytes a decode pass reads from disk under the plan: the streamed tensors' sizes, but for a tensor only looked
+    up (a streamed token_embd the output is not tied to) the one row a token looks up."""
+    from .costmodel import looked_up_only, row_bytes
 
     streamed = set(plan.streamed)
-    return sum(row_bytes(t) if reads_rows(model, t) else t.n_bytes for t in model.tensors if t.name in streamed)
+    return sum(row_bytes(t) if looked_up_only(model, t) else t.n_bytes for t in model.tensors if t.name in streamed)
 
 
 def _escape(text: str) -> str:

@@ -60,7 +60,7 @@ def pass_requests(model: Model, max_bytes: int, chunk_bytes: int = CHUNK_BYTES) 
 
 def huge_buffer(n: int) -> memoryview:
     """n bytes of committed memory at a 2 MiB boundary, advised to be transparent huge pages, as the runtime's read
-    pool is (patch 0010): into scattered 4 KiB pages an O_DIRECT read goes out in block requests of under 1 MiB,
+    pool is (patch 0011): into scattered 4 KiB pages an O_DIRECT read goes out in block requests of under 1 MiB,
     and this disk serves those markedly slower."""
     buf = mmap.mmap(-1, n + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # shared memory is not THP
     start = -ctypes.addressof(ctypes.c_char.from_buffer(buf)) % HUGE_PAGE

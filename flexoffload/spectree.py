@@ -19,7 +19,7 @@ MIN_NODES = 4
 TOKENS_PER_PASS = 8.6
 DRAFT_STEPS = 14.6
 # What verifying costs beyond a one-token pass: each further node of the tree, a share of the target's compute per
-# token with every weight in memory. Verification uses the one-token kernels (patch 0008), so the nodes are near
+# token with every weight in memory. Verification uses the one-token kernels (patch 0009), so the nodes are near
 # linear in compute: 17-token tree passes took 0.51-0.64 s, 9-token ones 0.32-0.45 s, against 0.045 s for one token
 # (results/tree_mask_overhead.csv, all weights in memory): (0.58 - 0.33) / 8 / 0.045 = 0.7 a node.
 VERIFY_SHARE = 0.7

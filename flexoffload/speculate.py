@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from . import FlexoffloadError, native
-from .costmodel import reads_rows
+from .costmodel import looked_up_only
 from .engine import Engine, Result, TextOut, stream_timings
 from .model import Model, load
 from .plan import override_patterns
@@ -208,11 +208,11 @@ class Speculator:
 
         from . import stream
 
-        stall0 = stream.stats().t_stall_s if t.settings.strategy != "mmap" else 0.0
+        stall0 = stream.stats(t.model).t_stall_s if t.settings.strategy != "mmap" else 0.0
         rc = []
         t0 = time.perf_counter()
         # the per-row kernels a one-token pass uses: with the tiled ones (from 8 tokens) the logits would differ in
-        # their last bits from a run without speculation, and near ties would flip (patch 0008)
+        # their last bits from a run without speculation, and near ties would flip (patch 0009)
         native.set_tiled_matmul(0)
         try:
             self._target_pass(rc)
@@ -221,7 +221,7 @@ class Speculator:
         t_pass = time.perf_counter() - t0
         c.stats.target_s += t_pass
         if t.settings.strategy != "mmap":
-            c.stats.stall_s += stream.stats().t_stall_s - stall0
+            c.stats.stall_s += stream.stats(t.model).t_stall_s - stall0
         if rc[0] != 0:
             raise FlexoffloadError(f"the target's llama_decode failed ({rc[0]}): {t.log.last_error()}")
         c.t_pass = t_pass if c.t_pass is None else 0.5 * (c.t_pass + t_pass)
@@ -417,8 +417,8 @@ class Speculator:
             c.tbatch.free()
             c.dbatch.free()
         timings = c.stats.to_dict(len(tokens))
-        if t.settings.strategy != "mmap":  # the process's: the target's reads, and the draft's rows if it streams any
-            timings.update(stream_timings(t_end - t_start))
+        if t.settings.strategy != "mmap":  # the target's reads only (a draft's streamed rows are the draft's)
+            timings.update(stream_timings(t_end - t_start, t.model))
         return Result.of(prompt_tokens, text_out, (t_start, t_first, t_end), len(tokens) - 1, t.load_s + d.load_s,
                          t.settings.strategy + "+tree", stop, timings)
 
@@ -440,8 +440,8 @@ def target_settings(settings, max_nodes: int | None = None):
 def draft_by_rows(draft: Model) -> list[str]:
     """The draft's tensors read by rows, not kept: a token_embd used only for lookups (the draft has an output
     matrix of its own) costs one small read a draft token, and its memory goes to the target (89 MiB of the
-    0.5B Qwen's 537)."""
-    return [t.name for t in draft.tensors if reads_rows(draft, t) and not is_small(t)]
+    0.5B Qwen's 537). A token_embd the output is tied to stays: the output's matmul reads all of it every step."""
+    return [t.name for t in draft.tensors if looked_up_only(draft, t) and not is_small(t)]
 
 
 def draft_settings(settings, draft: Model):

@@ -1,4 +1,4 @@
-"""ctypes bindings for the streaming runtime's C API (include/llama-stream.h, patches 0002-0007).
+"""ctypes bindings for the streaming runtime's C API (include/llama-stream.h, patches 0002-0008).
 
 The patched libllama streams the tensors given the STREAMED buffer type: I/O threads read the next
 `window` layers' tensors while the current layer computes, and give each tensor's memory back after use.
@@ -57,6 +57,10 @@ def api():
         lib.llama_stream_n_layers.restype = ctypes.c_int32
         lib.llama_stream_get_layer_stats.restype = ctypes.c_bool
         lib.llama_stream_get_layer_stats.argtypes = [ctypes.c_int32, ctypes.POINTER(LayerStats)]
+        lib.llama_stream_get_model_stats.restype = ctypes.c_bool
+        lib.llama_stream_get_model_stats.argtypes = [ctypes.c_void_p, ctypes.POINTER(StreamStats)]
+        lib.llama_stream_get_model_layer_stats.restype = ctypes.c_bool
+        lib.llama_stream_get_model_layer_stats.argtypes = [ctypes.c_void_p, ctypes.c_int32, ctypes.POINTER(LayerStats)]
         lib.llama_stream_reset_stats.restype, lib.llama_stream_reset_stats.argtypes = None, []
         lib.llama_stream_get_error.restype, lib.llama_stream_get_error.argtypes = ctypes.c_char_p, []
         _api = lib
@@ -101,13 +105,21 @@ class Stats:
     layer_stall_s: list[float]
 
 
-def stats() -> Stats:
-    s = StreamStats()
-    api().llama_stream_get_stats(ctypes.byref(s))
+def stats(model=None) -> Stats:
+    """The runtime's statistics since the last reset: of one model's streamed tensors (model: its llama_model
+    pointer; a draft's reads are not its target's), or of the whole process (None)."""
+    lib, s = api(), StreamStats()
+    if model is None:
+        lib.llama_stream_get_stats(ctypes.byref(s))
+    else:
+        lib.llama_stream_get_model_stats(model, ctypes.byref(s))
     layers = []
-    for il in range(api().llama_stream_n_layers()):
+    for il in range(lib.llama_stream_n_layers()):
         ls = LayerStats()
-        api().llama_stream_get_layer_stats(il, ctypes.byref(ls))
+        if model is None:
+            lib.llama_stream_get_layer_stats(il, ctypes.byref(ls))
+        else:
+            lib.llama_stream_get_model_layer_stats(model, il, ctypes.byref(ls))
         layers.append(ls.t_stall_s)
     return Stats(bytes_read=s.bytes_read, n_reads=s.n_reads, n_direct=s.n_direct, t_read_s=s.t_read_s,
                  t_stall_s=s.t_stall_s, n_passes=s.n_passes, n_rereads=s.n_rereads,

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
-"""The read pool before and after patch 0010 (huge pages): decode tok/s and the disk's request sizes, in turn.
+"""The read pool before and after patch 0011 (huge pages): decode tok/s and the disk's request sizes, in turn.
 
 Each run is `flexoffload run --mem MEM --enforce` (a fresh process in a cgroup at the budget, page cache dropped),
-on the native build given by --before (one built without patch 0010: its pool is 4 KiB pages, populated by
+on the native build given by --before (one built without patch 0011: its pool is 4 KiB pages, populated by
 MAP_POPULATE) or on this checkout's. The block device's counters (/sys/dev/block/M:m/stat) give the read requests
 each run made and their mean size. --fragment N first leaves N GiB of free memory in single scattered 4 KiB pages
 (a helper maps 2N GiB, touches it and gives back every other page, held until the end), as a long-running machine's
@@ -50,7 +50,7 @@ def device_reads(path: str) -> tuple[int, int]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--before", required=True, help="bin/ of a native build without patch 0010")
+    ap.add_argument("--before", required=True, help="bin/ of a native build without patch 0011")
     ap.add_argument("-m", "--model", default=models.DEFAULT_MODEL)
     ap.add_argument("--mem", default="0.4x")
     ap.add_argument("--policies", default="balanced,ffn-first")

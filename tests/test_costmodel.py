@@ -265,3 +265,47 @@ def test_late_reads_are_not_hidden_behind_other_stages():
     p = simulate(late, 2)
     s2 = p.stages[2]
     assert s2.read_end == pytest.approx(s2.compute_start + 2.0) and s2.compute_end == pytest.approx(s2.read_end)
+
+
+# tied embeddings (no output.weight): token_embd F32 of 1024 x 16384 rows = 64 MiB, 4 chunks at the 16 MiB default
+TIED = synth.Shape(n_layer=2, n_embd=1024, n_ff=1024, n_head=8, n_head_kv=2, n_vocab=16384, n_ctx_train=512,
+                   arch="qwen2", tied_embeddings=True)
+
+
+@pytest.fixture(scope="module")
+def tied(tmp_path_factory):
+    return load(synth.write(tmp_path_factory.mktemp("models") / "tied.gguf", TIED, "F32"))
+
+
+def test_a_streamed_tied_token_embd_is_looked_up_by_rows_and_read_by_chunks_for_the_output(tied):
+    """Its lookup reads a row in stage 0 (no window); the output's matmul reads all of it in the head, holding two
+    chunks of window, as an output matrix would."""
+    embd = next(t for t in tied.tensors if t.kind == "token_embd")
+    assert tied.tied_embeddings and costmodel.chunk_rows(embd) is not None
+    pipe = Pipeline(tied, disk_bound(tied))
+    layers = always_resident(tied) | {t.name for t in tied.tensors if t.layer is not None}  # resident; embd streams
+    by_name = {s.name: s for s in pipe.stages(layers)}
+    assert by_name["token_embd"].streamed_bytes == 0 and by_name["token_embd"].n_streamed == 1
+    head = by_name["output"]
+    assert head.streamed_bytes == embd.n_bytes
+    assert head.held_bytes == costmodel.held_bytes(embd) < embd.n_bytes and head.late_read_s > 0
+    # resident: no stage of its own, nothing read for it
+    kept = pipe.stages(layers | {embd.name})
+    assert [s.name for s in kept] == [f"blk.{i}" for i in range(2)]
+    assert pipe.window_bytes(layers, 0) == costmodel.held_bytes(embd) + costmodel.rows_memory(embd)
+    # the roofline does not count it as missing only by a row: the output reads it all
+    assert costmodel.roofline(tied, disk_bound(tied), tied.weight_bytes - embd.n_bytes) < \
+        costmodel.roofline(tied, disk_bound(tied), tied.weight_bytes)
+
+
+def test_planners_may_stream_a_tied_token_embd_and_count_what_it_holds(tied):
+    from flexoffload.planners import make_plan, minimum_budget
+
+    embd = next(t for t in tied.tensors if t.kind == "token_embd")
+    low = minimum_budget(tied, 1)
+    small = sum(t.n_bytes for t in tied.tensors if t.name in always_resident(tied))
+    assert low < small + embd.n_bytes  # it need not stay
+    plan = make_plan(tied, low, "balanced", disk_bound(tied), window=1)
+    assert embd.name in plan.streamed and plan.memory.total <= low
+    roomy = make_plan(tied, tied.weight_bytes * 2, "balanced", disk_bound(tied))
+    assert embd.name in roomy.resident and not roomy.streamed

@@ -21,7 +21,7 @@ def llama_completion(model, prompt, n, ctx=2048, batch=512, threads=2, prompt_fi
            "-no-cnv", "--no-display-prompt", "--simple-io", "--no-warmup"]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL)
     assert r.returncode == 0, r.stderr[-2000:]
-    # completion.cpp ends its output with LOG("\n\n"): all of it was written (patch 0009)
+    # completion.cpp ends its output with LOG("\n\n"): all of it was written (patch 0010)
     assert r.stdout.endswith("\n\n"), f"llama-completion's output was cut short: {r.stdout!r}"
     return r.stdout[:-2]
 

@@ -209,7 +209,7 @@ def test_real_speculation_refuses_a_budget_the_draft_leaves_too_little_of(real_m
 
 @pytest.mark.integration
 def test_real_verification_pass_without_tiled_kernels_equals_one_token_passes(real_model):
-    """Patch 0008: with the tiled K-quant kernels off, the logits of a token verified in a pass of 9 equal those of
+    """Patch 0009: with the tiled K-quant kernels off, the logits of a token verified in a pass of 9 equal those of
     a one-token pass, bit for bit; with them on (the default from 8 tokens) they differ on this model."""
     import numpy as np
 

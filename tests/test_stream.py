@@ -257,6 +257,44 @@ def test_resident_tensors_are_locked_streamed_ones_not(streamable_model):
     assert out["resident_locked"] is True
 
 
+# Two models streaming in one process (a target and a draft): each has its own statistics, the process's are
+# the sum. Only the first one decodes.
+_TWO_MODELS = r"""
+import json, sys
+from flexoffload import engine, plan as plans, stream
+from flexoffload.model import load
+from flexoffload.planners import always_resident
+
+path = sys.argv[1]
+m = load(path)
+streamed = [t.name for t in m.tensors if t.name not in always_resident(m)]
+patterns = tuple(plans.override_patterns(streamed, [t.name for t in m.tensors]))
+settings = engine.Settings(n_ctx=512, temp=0.0, strategy="stream", window=1, streamed_patterns=patterns)
+with engine.Engine(path, settings) as first, engine.Engine(path, settings) as second:
+    r = first.generate("a b c", 4)
+    out = {name: vars(stream.stats(e.model)) for name, e in (("first", first), ("second", second))}
+    out["process"] = vars(stream.stats())
+    out["timings"] = r.timings
+print(json.dumps(out))
+"""
+
+
+def test_statistics_are_per_model(streamable_model):
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-c", _TWO_MODELS, str(streamable_model)], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout)
+    first, second, process = out["first"], out["second"], out["process"]
+    assert first["bytes_read"] >= streamed_bytes(streamable_model, None) and first["n_passes"] >= 4
+    assert second["bytes_read"] == 0 and second["n_reads"] == 0 and second["t_stall_s"] == 0
+    assert process["bytes_read"] == first["bytes_read"] and process["n_reads"] == first["n_reads"]
+    assert out["timings"]["stream_bytes_read"] == first["bytes_read"]
+    assert sum(first["layer_stall_s"]) <= first["t_stall_s"] + 1e-9 and not any(second["layer_stall_s"])
+
+
 def _thp_mode() -> str:
     try:
         return open("/sys/kernel/mm/transparent_hugepage/enabled").read().split("[")[1].split("]")[0]
@@ -266,7 +304,7 @@ def _thp_mode() -> str:
 
 @pytest.mark.skipif(_thp_mode() == "never", reason="the kernel has transparent huge pages off")
 def test_the_read_pool_is_huge_pages(streamable_model):
-    """Patch 0010: the pool the streamed tensors are read into is 2 MiB pages, all but a last part smaller than
+    """Patch 0011: the pool the streamed tensors are read into is 2 MiB pages, all but a last part smaller than
     one (O_DIRECT reads into scattered 4 KiB pages go out in block requests of under 1 MiB)."""
     out = _locked_run(streamable_model)
     huge = 2 << 20
@@ -383,6 +421,40 @@ def test_chunked_output_is_bit_exact_and_holds_a_few_chunks(chunky_model, window
     # the read pool holds two chunks (and their alignment pages), the row pages come and go: not the 4.5 MiB
     assert t["stream_committed_peak"] <= costmodel.held_bytes(output, CHUNK) + 4 * 4096 + costmodel.rows_memory(embd)
     assert t["stream_committed_peak"] < output.n_bytes / 2
+
+
+# The same with the output tied to token_embd (no output.weight), as gemma3 and the small qwen2 are
+TIED_CHUNKY = synth.Shape(n_layer=4, n_embd=1024, n_ff=2816, n_head=8, n_head_kv=4, n_vocab=8192, n_ctx_train=1024,
+                          arch="qwen2", tied_embeddings=True)
+
+
+@pytest.mark.parametrize("window", [0, 2])
+def test_a_tied_token_embd_streams_by_rows_and_chunks(tmp_path, window):
+    """token_embd tied to the output, streamed: lookups read its rows, the output's matmul its chunks (patches
+    0004, 0006, 0007); logits equal mmap's to the bit; a pass reads it whole once (the output) and the rows it looks
+    up, nothing twice; it holds two chunks and a lookup's pages, as the cost model counts it."""
+    import numpy as np
+
+    from flexoffload import costmodel
+    from flexoffload.costmodel import Pipeline
+
+    model = synth.write(tmp_path / "tied.gguf", TIED_CHUNKY, output_scale=4.0)
+    m = load(model)
+    embd = next(t for t in m.tensors if t.kind == "token_embd")
+    assert m.tied_embeddings and costmodel.read_requests(embd, CHUNK) == 5
+    base, base_last, base_batch, *_ = _chunked_run(model, "mmap", 0, [], CHUNK, 48)
+    out, last, batch, outside, prompt = _chunked_run(model, "stream", window, [embd.name], CHUNK, 48)
+    assert out.tokens == base.tokens and np.array_equal(last, base_last) and np.array_equal(batch, base_batch)
+    t = out.timings
+    passes = out.n_gen
+    assert t["stream_passes"] == passes and t["stream_rereads"] == 0
+    rows = sum(len(set(prompt[i:i + costmodel.ROWS_CHUNK])) for i in range(0, len(prompt), costmodel.ROWS_CHUNK)) \
+        + out.n_gen - 1
+    assert t["stream_bytes_read"] == passes * embd.n_bytes + rows * costmodel.row_bytes(embd)
+    resident = {x.name for x in m.tensors} - {embd.name}
+    held = Pipeline(m, chunk_bytes=CHUNK).window_bytes(resident, window)
+    assert held == costmodel.held_bytes(embd, CHUNK) + costmodel.rows_memory(embd)
+    assert t["stream_committed_peak"] <= held + 4 * 4096 and t["stream_committed_peak"] < embd.n_bytes / 2
 
 
 @pytest.mark.parametrize("window", [0, 3])

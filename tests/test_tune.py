@@ -19,7 +19,7 @@ def test_tune_measures_the_candidates_keeps_the_fastest_and_run_uses_it(tmp_path
                          "--tune", "2", "--tune-rounds", "1", "--json", check=True).stdout)
     tuning = out["tuning"]
     assert len(tuning) >= 2 and all(t["error"] == "" and t["measured_tok_s"] > 0 for t in tuning)
-    best = max(tuning, key=lambda t: t["measured_tok_s"])
+    best = tuning[tune.pick([t["measured_tok_s"] for t in tuning])]
     assert (out["policy"], out["window"]) == (best["policy"], best["window"])
     assert tune.cached(m, mem, 512, 512) is not None
 
@@ -32,3 +32,11 @@ def test_tune_measures_the_candidates_keeps_the_fastest_and_run_uses_it(tmp_path
     other = json.loads(cli("run", "-m", str(path), "-p", "a b c", "-n", "4", "--temp", "0", "-c", "256",
                            "--mem", str(mem), "--json", check=True).stdout)
     assert other["plan"]["policy"] == "balanced"  # tuned for -c 512, not 256
+
+
+def test_pick_keeps_the_predicted_best_unless_another_is_clearly_faster():
+    assert tune.pick([10.0, 10.2, 9.0]) == 0  # 2% faster: within the drift
+    assert tune.pick([10.0, 10.5, 9.0]) == 1  # 5% faster
+    assert tune.pick([10.0, 10.5, 11.0]) == 2
+    assert tune.pick([0.0, 3.0, 4.0]) == 2  # the predicted best failed
+    assert tune.pick([10.0, 10.5], margin=0.1) == 0

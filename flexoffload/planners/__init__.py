@@ -20,7 +20,8 @@ Rules shared by all policies (`base`):
   shared rule). When one must give way, token_embd streams first: the runtime reads only the rows a pass looks up
   (get_rows: a row per decoded token, into the pages of a few rows; costmodel.reads_rows), so it costs almost no
   memory and one small read a token. That makes streaming it worth it whenever anything streams: `balanced` weighs
-  that too.
+  that too. A token_embd the output is tied to (no output.weight) is both: streamed, a lookup reads its rows and
+  the output's matmul its row chunks (patches 0004, 0006, 0007), so it is weighed like an output matrix.
 """
 
 from __future__ import annotations
@@ -46,9 +47,8 @@ def is_small(t: Tensor) -> bool:
 
 
 def always_resident(model: Model) -> set[str]:
-    """The small tensors, and a token_embd the output is tied to: the runtime keeps a tensor used twice a pass
-    resident whatever the plan says (patch 0004), so a plan that streamed it would count too little memory."""
-    return {t.name for t in model.tensors if is_small(t) or (t.kind == "token_embd" and model.tied_embeddings)}
+    """The small tensors."""
+    return {t.name for t in model.tensors if is_small(t)}
 
 
 def memory_for(model: Model, resident: Collection[str], window: int) -> int:

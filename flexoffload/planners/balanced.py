@@ -50,7 +50,7 @@ def plan(model: Model, capacity: int, profile: Profile, window: int, io_threads:
     ledger = base(model, capacity, window)
     pipe = Pipeline(model, profile, io_threads)
     candidates = _fills(model, pipe, ledger, window)
-    by_rows = {name for name in pipe.rows if name in ledger.resident}
+    by_rows = {name for name in pipe.rows if name in ledger.resident and name not in pipe.tied}
     if by_rows and capacity < model.weight_bytes:  # something streams: try token_embd streamed by rows too
         candidates += _fills(model, pipe, Ledger(model, ledger.resident - by_rows, capacity, window), window)
     candidates += [policy(model, capacity, profile, window, io_threads)
@@ -64,8 +64,8 @@ def plan(model: Model, capacity: int, profile: Profile, window: int, io_threads:
     kept = best(candidates)
     # a resident output matrix that streams in chunks holds only a few of them in window: try it streamed too,
     # and take that only where the cost model says it pays by OUTPUT_MARGIN
-    chunked = {t.name for t in model.tensors if t.kind == "output" and t.name in ledger.resident
-               and pipe.held[t.name] < t.n_bytes}
+    chunked = {t.name for t in model.tensors if (t.kind == "output" or t.name in pipe.tied)
+               and t.name in ledger.resident and pipe.held[t.name] < t.n_bytes}
     if not chunked or capacity >= model.weight_bytes:
         return kept
     streamed = best(_fills(model, pipe, Ledger(model, ledger.resident - by_rows - chunked, capacity, window), window))
