@@ -26,6 +26,7 @@ from pathlib import Path
 from . import FlexoffloadError
 from . import budget as budgets
 from . import models as catalog
+from . import tune
 from .budget import MiB, format_size
 from .defaults import IO_THREADS, STRATEGIES, WINDOW
 
@@ -111,8 +112,6 @@ def plan_for_run(model, r: Request, limit: int | None, n_outputs: int = 1, n_seq
     policy, window = r.policy, r.window
     if r.tuned and r.strategy == "stream" and policy == "balanced" and window is None and limit is not None \
             and n_outputs == 1 and not draft:
-        from . import tune
-
         tuned = tune.cached(model, limit, r.n_ctx, r.n_batch)
         if tuned is not None:
             return tuned
@@ -138,7 +137,10 @@ def prepare(request: Request) -> Prepared:
     model = load(path)
     limit = budgets.parse_size(r.mem, model.file_size) if r.mem else None
     if not r.draft:
-        return Prepared(r, model, limit, plan_for_run(model, r, limit))
+        plan = plan_for_run(model, r, limit)
+        if plan is not None and plan.policy == tune.MMAP:  # plan --tune measured mmap faster at this budget
+            return Prepared(replace(r, strategy="mmap", plan_dir=None), model, limit, None, notes=[tune.mmap_note(plan)])
+        return Prepared(r, model, limit, plan)
 
     from . import speculate, spectree
 

@@ -2,8 +2,9 @@
 
 At low budgets every policy streams nearly the same bytes and the cost model predicts them within a few per cent,
 yet one measured faster than another by 30% (ffn-first against balanced at 0.4x, README). So: the N plans balanced
-predicts fastest (one per window it tries) and every baseline policy at its own best window each run a few tokens
-in a fresh process under the enforced budget, cold, the candidates in turn, for a few rounds; the fastest mean is
+predicts fastest (one per window it tries), every baseline policy at its own best window, and upstream mmap (the
+cost model has no model of the page cache under a budget: measured, it is never chosen blindly nor missed) each
+run a few tokens in a fresh process under the enforced budget, cold, the candidates in turn, for a few rounds; the fastest mean is
 kept if it beats the predicted best by more than the drift between runs (MARGIN), else the predicted best is. Its
 plan.json records every candidate's predicted and measured tok/s (`tuning`). Tuned plans are cached per
 model file, budget, -c, -b and machine, and `run --mem` streams by one when it exists (api.plan_for_run).
@@ -90,6 +91,20 @@ def pick(measured: list[float], margin: float = MARGIN) -> int:
     return best
 
 
+MMAP = "mmap"  # the candidate that does not stream: upstream mmap under the same budget
+
+
+def mmap_candidate(model, budget: int, best) -> "Plan":
+    """mmap as a plan: nothing streamed, the memory beside the weights that of the streaming plans, no prediction."""
+    from . import plan as plans
+
+    names = tuple(t.name for t in model.tensors)
+    memory = replace(best.memory, resident=0, window=0)
+    return plans.Plan(model=str(model.path), policy=MMAP, budget=budget, memory=memory, resident=names, streamed=(),
+                      window=0, io_threads=best.io_threads, predicted_tok_s=0.0, roofline_tok_s=best.roofline_tok_s,
+                      profile=best.profile)
+
+
 def tune(model, budget: int, profile, n_ctx: int = 2048, n_batch: int = 512, n_best: int = 3, rounds: int = 2,
          n_predict: int = 8, echo=None):
     """Measure the candidates under the enforced budget and return the fastest, with `tuning` recorded; it is
@@ -101,6 +116,7 @@ def tune(model, budget: int, profile, n_ctx: int = 2048, n_batch: int = 512, n_b
     if budgets.cgroup_unavailable():
         raise FlexoffloadError(f"--tune measures under an enforced budget: {budgets.cgroup_unavailable()}")
     plan_list = candidates(model, budget, profile, n_ctx, n_batch, n_best)
+    plan_list.append(mmap_candidate(model, budget, plan_list[0]))
     speeds: list[list[float]] = [[] for _ in plan_list]
     errors = [""] * len(plan_list)
     with tempfile.TemporaryDirectory(prefix="flexoffload-tune-") as tmp:
@@ -109,8 +125,9 @@ def tune(model, budget: int, profile, n_ctx: int = 2048, n_batch: int = 512, n_b
             for i, (p, directory) in enumerate(zip(plan_list, dirs)):  # in turn: the disk drifts over minutes
                 if errors[i]:
                     continue
+                how = {"strategy": MMAP} if p.policy == MMAP else {"plan_dir": str(directory)}
                 request = api.Request(model=str(model.path), prompt=PROMPT, n_predict=n_predict, n_ctx=n_ctx,
-                                      n_batch=n_batch, temp=0, mem=str(budget), plan_dir=str(directory))
+                                      n_batch=n_batch, temp=0, mem=str(budget), **how)
                 try:
                     prepared = api.prepare(request)
                     budgets.drop_page_cache()
@@ -119,8 +136,7 @@ def tune(model, budget: int, profile, n_ctx: int = 2048, n_batch: int = 512, n_b
                     errors[i] = str(e)
                 if echo:
                     got = f"{speeds[i][-1]:.2f} tok/s" if speeds[i] and not errors[i] else errors[i]
-                    echo(f"tune: round {r + 1}/{rounds}: {p.policy} window {p.window} (predicted "
-                         f"{p.predicted_tok_s:.2f}): {got}")
+                    echo(f"tune: round {r + 1}/{rounds}: {_name(p.policy, p.window, p.predicted_tok_s)}: {got}")
     measured = [statistics.fmean(s) if s and not e else 0.0 for s, e in zip(speeds, errors)]
     if not any(measured):
         raise FlexoffloadError(f"no candidate plan ran under {budget} bytes: {errors[0]}")
@@ -132,8 +148,22 @@ def tune(model, budget: int, profile, n_ctx: int = 2048, n_batch: int = 512, n_b
     return best
 
 
+def _name(policy: str, window: int, predicted: float) -> str:
+    if policy == MMAP:
+        return "mmap (not predicted)"
+    return f"{policy} window {window} (predicted {predicted:.2f})"
+
+
 def describe(plan) -> str:
     """The tuning of a plan, a line a candidate."""
-    return "\n".join(f"  {t['policy']:<10} window {t['window']}: predicted {t['predicted_tok_s']:.2f}, measured "
+    return "\n".join(f"  {_name(t['policy'], t['window'], t['predicted_tok_s'])}: measured "
                      + (f"{t['measured_tok_s']:.2f} tok/s" if not t["error"] else f"failed: {t['error']}")
                      for t in plan.tuning)
+
+
+def mmap_note(plan) -> str:
+    """What a run tells the user when the tuned choice is mmap."""
+    streamed = [t["measured_tok_s"] for t in plan.tuning if t["policy"] != MMAP]
+    mmap = next(t["measured_tok_s"] for t in plan.tuning if t["policy"] == MMAP)
+    return (f"flexoffload: mmap measured faster than streaming at this budget (plan --tune: {mmap:.2f} tok/s, the "
+            f"best plan {max(streamed, default=0):.2f}): running mmap (--untuned streams)")

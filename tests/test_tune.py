@@ -21,13 +21,17 @@ def test_tune_measures_the_candidates_keeps_the_fastest_and_run_uses_it(tmp_path
     assert len(tuning) >= 2 and all(t["error"] == "" and t["measured_tok_s"] > 0 for t in tuning)
     best = tuning[tune.pick([t["measured_tok_s"] for t in tuning])]
     assert (out["policy"], out["window"]) == (best["policy"], best["window"])
+    assert tuning[-1]["policy"] == "mmap"  # upstream mmap under the same budget is a candidate too
     assert tune.cached(m, mem, 512, 512) is not None
 
     tuned = json.loads(cli("run", "-m", str(path), "-p", "a b c", "-n", "4", "--temp", "0", "-c", "512",
                            "--mem", str(mem), "--json", check=True).stdout)
     untuned = json.loads(cli("run", "-m", str(path), "-p", "a b c", "-n", "4", "--temp", "0", "-c", "512",
                              "--mem", str(mem), "--untuned", "--json", check=True).stdout)
-    assert (tuned["plan"]["policy"], tuned["plan"]["window"]) == (best["policy"], best["window"])
+    if best["policy"] == "mmap":
+        assert tuned["strategy"] == "mmap" and "plan" not in tuned
+    else:
+        assert (tuned["plan"]["policy"], tuned["plan"]["window"]) == (best["policy"], best["window"])
     assert tuned["tokens"] == untuned["tokens"]
     other = json.loads(cli("run", "-m", str(path), "-p", "a b c", "-n", "4", "--temp", "0", "-c", "256",
                            "--mem", str(mem), "--json", check=True).stdout)
@@ -40,3 +44,28 @@ def test_pick_keeps_the_predicted_best_unless_another_is_clearly_faster():
     assert tune.pick([10.0, 10.5, 11.0]) == 2
     assert tune.pick([0.0, 3.0, 4.0]) == 2  # the predicted best failed
     assert tune.pick([10.0, 10.5], margin=0.1) == 0
+
+
+def test_a_run_whose_tuned_choice_is_mmap_says_so_and_runs_mmap(tmp_path, monkeypatch):
+    from dataclasses import replace
+
+    from flexoffload import api, plan as plans
+    from flexoffload.profile import measure
+
+    monkeypatch.setenv("FLEXOFFLOAD_CACHE", str(tmp_path / "cache"))
+    path = synth.write(tmp_path / "streamable.gguf", STREAMABLE)
+    m = load(path)
+    mem = budgets.RUNTIME_OVERHEAD + budgets.context_bytes(m, 512, 512).total + m.weight_bytes * 3 // 4
+    best = tune.candidates(m, mem, measure(m, 2), 512, 512, 1)[0]
+    tuning = ({"policy": best.policy, "window": best.window, "predicted_tok_s": best.predicted_tok_s,
+               "measured_tok_s": 2.0, "runs": [2.0], "error": ""},
+              {"policy": "mmap", "window": 0, "predicted_tok_s": 0.0, "measured_tok_s": 3.0, "runs": [3.0], "error": ""})
+    plans.write(replace(tune.mmap_candidate(m, mem, best), tuning=tuning), tune.cache_path(m, mem, 512, 512))
+    request = api.Request(model=str(path), prompt="a b c", n_predict=4, n_ctx=512, temp=0, mem=str(mem))
+    p = api.prepare(request)
+    assert p.request.strategy == "mmap" and p.plan is None
+    assert p.notes and "mmap measured faster" in p.notes[0] and "3.00" in p.notes[0] and "2.00" in p.notes[0]
+    assert api.prepare(replace(request, tuned=False)).request.strategy == "stream"
+    r = cli("run", "-m", str(path), "-p", "a b c", "-n", "4", "--temp", "0", "-c", "512", "--mem", str(mem),
+            "--json", check=True)
+    assert json.loads(r.stdout)["strategy"] == "mmap" and "mmap measured faster" in r.stderr
