@@ -19,6 +19,10 @@ Every run's output is compared with the target alone's greedy output for the pro
 runs, text for llama-speculative's, which runs a few tokens past -n).
 
     scripts/bench_spec.py [--budgets 0.6x,0.8x,1.0x,1.3x] [--prompts 4] [-n 64] [-c 512] [-b 64] [--tag qwen]
+    scripts/bench_spec.py --budgets 0.8x --prompts 6 --plain 6 -c 2048 -b 512 --draft-ns 8,16,32 --tag defaults
+
+--plain N adds N plain-language prompts of flexoffload.plain's evaluation set (llama-speculative then tunes on its
+tuning set too, --plain-tune of them); the summary gives the ratios per kind of prompt as well.
     scripts/bench_spec.py --on-tuning --prompts 8 --configs tree --budgets 0.8x --tag tune   # what a tree yields
 
 Writes results/llmcad_TAG.csv (a row per run; phase "tune" for the tuning runs), results/llmcad_TAG.jsonl (each
@@ -40,7 +44,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from flexoffload import FlexoffloadError, api, baseline, humaneval
+from flexoffload import FlexoffloadError, api, baseline, humaneval, plain
 from flexoffload import budget as budgets
 from flexoffload import models as catalog
 from flexoffload.budget import MiB
@@ -153,6 +157,10 @@ def speculative_row(row: Row, r: baseline.Speculative) -> tuple[Row, dict]:
     return row, {"text": r.text, "tokens": None, "stop": ""}
 
 
+def _plain(task: str) -> bool:
+    return task.startswith("plain/")
+
+
 _EOG_TAIL = re.compile(r"(<\|[a-z_]+\|>)+\Z")
 
 
@@ -225,7 +233,7 @@ def summary(rows: list[Row], configs: list[str], labels: list[str], header: str,
     if tuned and tune:
         tried = sorted({r.draft_n for r in rows if r.phase == "tune"})
         lines += ["", f"llama-speculative's --spec-draft-n-max, tuned per budget over {', '.join(map(str, tried))} on "
-                  f"HumanEval {', '.join(p.rpartition('/')[2] for p in tune)} (best mean tok/s): "
+                  f"{', '.join(p for p in tune)} (best mean tok/s): "
                   + ", ".join(f"{b}: {n if n else 'none ran on every prompt'}" for b, n in tuned.items()) + "."]
     elif tuned:
         lines += ["", f"llama-speculative's --spec-draft-n-max: {', '.join(map(str, sorted(set(tuned.values()))))}, "
@@ -234,6 +242,16 @@ def summary(rows: list[Row], configs: list[str], labels: list[str], header: str,
     wrong = [f"{r.budget} {r.config} {r.prompt}" for r in checked if r.matches_target == "no"]
     lines += ["", f"Greedy output identical to the target alone: {len(checked) - len(wrong)} of {len(checked)} runs"
               + (f"; differs: {', '.join(wrong)}" if wrong else "") + "."]
+    kinds = {"code": [p for p in prompts if not _plain(p)], "plain": [p for p in prompts if _plain(p)]}
+    if "0.8x" in labels and all(kinds.values()) and SPECULATIVE in configs and "tree" in configs:
+        for kind, names in kinds.items():
+            def mean_of(c):
+                runs = [r for r in ok("0.8x", c) if r.prompt in names]
+                return _mean([r.decode_tok_s for r in runs]) if len(runs) == len(names) else 0.0
+
+            tree_k, spec_k = mean_of("tree"), mean_of(SPECULATIVE)
+            lines.append(f"At 0.8x, {kind} prompts ({len(names)}): tree / {SPECULATIVE} = {tree_k:.2f} / {spec_k:.2f} = "
+                         + (f"{tree_k / spec_k:.2f}." if tree_k and spec_k else "no ratio (a run failed)."))
     if "0.8x" in labels:
         def speed(c):
             return _mean([r.decode_tok_s for r in ok("0.8x", c)]) if len(ok("0.8x", c)) == len(prompts) else 0.0
@@ -263,6 +281,9 @@ def main() -> None:
                     help="measure on the tuning prompts (of 0-39) instead: what speculation yields, to set "
                          "spectree.TOKENS_PER_PASS and DRAFT_STEPS")
     ap.add_argument("--tune-prompts", type=int, default=int(env("TUNE_PROMPTS", "2")), help="tuning prompts (of 0-39)")
+    ap.add_argument("--plain", type=int, default=int(env("PLAIN", "0")), help="plain-language evaluation prompts")
+    ap.add_argument("--plain-tune", type=int, default=int(env("PLAIN_TUNE", "2")),
+                    help="plain-language tuning prompts (with --plain)")
     ap.add_argument("--draft-ns", default=env("DRAFT_NS", "2,4,8,16"), help="llama-speculative's n-max values tried")
     ap.add_argument("-n", "--n-predict", type=int, default=int(env("N", "64")))
     ap.add_argument("-c", "--ctx-size", type=int, default=int(env("CTX", "512")))
@@ -292,8 +313,10 @@ def bench(a) -> None:
     limits = {b: budgets.parse_size(b, target.file_size) for b in labels}
     draft_ns = [int(n) for n in a.draft_ns.split(",") if n.strip()]
     evaluation = humaneval.prompts((humaneval.tuning_ids if a.on_tuning else humaneval.evaluation_ids)(a.prompts))
+    evaluation += plain.prompts("tuning" if a.on_tuning else "evaluation", a.plain)
     tune = SPECULATIVE in configs and len(draft_ns) > 1  # one value given: nothing to tune
     tuning = humaneval.prompts(humaneval.tuning_ids(a.tune_prompts)) if tune else []
+    tuning += plain.prompts("tuning", a.plain_tune) if tune and a.plain else []
     for (task, _), n in zip(evaluation + tuning, prompt_lengths(target_path, [p for _, p in evaluation + tuning])):
         if n + a.n_predict + CTX_MARGIN > a.ctx_size:
             raise FlexoffloadError(f"{task} has {n} tokens: with -n {a.n_predict} it needs -c of at least "
@@ -319,7 +342,8 @@ def bench(a) -> None:
     outputs: list[dict | None] = []
     tuned: dict[str, int] = {}
     header = (f"# Token-tree speculation (LLMCad): {target_path.name} ({target.file_size / MiB:.0f} MiB) with draft "
-              f"{draft_path.name}\n\nHumanEval {', '.join(t.rpartition('/')[2] for t, _ in evaluation)}; -n "
+              f"{draft_path.name}\n\nHumanEval {', '.join(t.rpartition('/')[2] for t, _ in evaluation if not _plain(t))}"
+              f"{'; plain-language prompts ' + ', '.join(t.rpartition('/')[2] for t, _ in evaluation if _plain(t)) if a.plain else ''}; -n "
               f"{a.n_predict} -c {a.ctx_size} -b {a.batch_size} -t {a.threads}, greedy; each run a fresh process in "
               f"its own memory cgroup at the budget, page cache dropped before it; {time.strftime('%Y-%m-%d')}.")
 
