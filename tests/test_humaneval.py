@@ -50,7 +50,7 @@ def test_plain_prompts_tuning_and_evaluation_are_apart():
     from flexoffload import plain
 
     tune, ev = plain.prompts("tuning", len(plain.TUNING)), plain.prompts("evaluation", 6)
-    assert len(ev) == 6 and not {t for _, t in tune} & {t for _, t in plain.EVALUATION}
+    assert len(ev) == 6 and not {t for _, t in tune} & set(plain.EVALUATION)
     assert [n for n, _ in tune] == [f"plain/{i}" for i in range(len(plain.TUNING))]
     assert ev[0] == (f"plain/{len(plain.TUNING)}", plain.EVALUATION[0])
     with pytest.raises(ValueError):
