@@ -55,6 +55,7 @@ class Request:
     spec: str = "tree"  # or "chain"
     pacer: bool = True
     adaptive: bool = True
+    adaptive_split: bool = True
     pipeline: bool = False
     draft_always: bool = False  # speculate even where the target alone is predicted faster
     tuned: bool = True  # stream by a plan --tune made for this model, budget and machine, where there is one
@@ -191,7 +192,8 @@ def run_prepared(p: Prepared, on_text=None) -> dict:
     if p.draft_model is not None:
         from . import speculate, spectree
 
-        spec = spectree.Options(tree=r.spec == "tree", pacer=r.pacer, adaptive=r.adaptive, pipeline=r.pipeline,
+        spec = spectree.Options(tree=r.spec == "tree", pacer=r.pacer, adaptive=r.adaptive,
+                                 adaptive_split=r.adaptive_split, pipeline=r.pipeline,
                                  threshold=r.draft_p_split, max_nodes=r.draft_max)
         result = speculate.run(r.model, settings, r.draft, spec, r.prompt, r.n_predict, on_text).to_dict()
         result["draft"] = {"path": r.draft, "resident_mb": p.draft_bytes / MiB}

@@ -102,6 +102,8 @@ def _report(result: dict, as_json: bool) -> None:
               help="speculation shape: a token tree, or a linear chain")
 @click.option("--no-pacer", is_flag=True, help="grow branches in turn, not by confidence (ablation)")
 @click.option("--no-adaptive", is_flag=True, help="verify only at the node budget, not on low confidence (ablation)")
+@click.option("--no-adaptive-split", is_flag=True,
+              help="keep --draft-p-split as given, not moved by which branches the target accepts (ablation)")
 @click.option("--pipeline/--no-pipeline", default=False, show_default=True,
               help="draft on while the target verifies, under SCHED_IDLE (within noise on 2 cores: off by default)")
 @click.option("--draft-always", is_flag=True,
@@ -113,14 +115,14 @@ def _report(result: dict, as_json: bool) -> None:
 @_errors_as_one_line
 def run(model_spec, prompt, prompt_file, n_predict, ctx_size, batch_size, threads, temp, seed, mem, enforce,
         strategy, policy, plan_dir, window, io_threads, draft_spec, draft_max, draft_p_split, spec_mode, no_pacer,
-        no_adaptive, pipeline, draft_always, tuned, as_json, verbose):
+        no_adaptive, no_adaptive_split, pipeline, draft_always, tuned, as_json, verbose):
     """Generate text from a prompt (with -md: speculation by a resident draft model)."""
     from . import api
 
     request = request_from_flags(model_spec, prompt, prompt_file, n_predict, ctx_size, batch_size, threads, temp,
                                  seed, mem, strategy, policy, plan_dir, window, io_threads, draft_spec, draft_max,
-                                 draft_p_split, spec_mode, no_pacer, no_adaptive, pipeline, draft_always, tuned,
-                                 verbose)
+                                 draft_p_split, spec_mode, no_pacer, no_adaptive, no_adaptive_split, pipeline,
+                                 draft_always, tuned, verbose)
     on_text = None if as_json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
     result = api.generate(request, on_text, enforce=enforce, echo=lambda msg: click.echo(msg, err=True))
     _report(result, as_json)
@@ -128,7 +130,7 @@ def run(model_spec, prompt, prompt_file, n_predict, ctx_size, batch_size, thread
 
 def request_from_flags(model_spec, prompt, prompt_file, n_predict, ctx_size, batch_size, threads, temp, seed, mem,
                        strategy, policy, plan_dir, window, io_threads, draft_spec, draft_max, draft_p_split,
-                       spec_mode, no_pacer, no_adaptive, pipeline, draft_always, tuned, verbose):
+                       spec_mode, no_pacer, no_adaptive, no_adaptive_split, pipeline, draft_always, tuned, verbose):
     """api.Request from `run`'s flags (the prompt read from -f as llama.cpp reads it)."""
     from . import api
 
@@ -137,7 +139,7 @@ def request_from_flags(model_spec, prompt, prompt_file, n_predict, ctx_size, bat
         n_batch=batch_size, n_threads=threads, temp=temp, seed=seed, mem=mem, strategy=strategy, policy=policy,
         plan_dir=plan_dir, window=window, io_threads=io_threads, draft=draft_spec, draft_max=draft_max,
         draft_p_split=draft_p_split, spec=spec_mode, pacer=not no_pacer, adaptive=not no_adaptive,
-        pipeline=pipeline, draft_always=draft_always, tuned=tuned, verbose=verbose)
+        adaptive_split=not no_adaptive_split, pipeline=pipeline, draft_always=draft_always, tuned=tuned, verbose=verbose)
 
 
 def request_from_args(args: list[str]):

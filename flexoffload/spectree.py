@@ -8,7 +8,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-THRESHOLD = 0.3  # a candidate this likely opens a branch (LLMCad)
+THRESHOLD = 0.3  # a candidate this likely opens a branch (LLMCad); where it starts when it adapts (next_threshold)
+THRESHOLD_RANGE = (0.1, 0.9)  # where the adaptive threshold moves: 0.9 leaves a near chain, 0.1 a bushy tree
 ALPHA = 0.01  # starting fallback threshold on the tree-cumulative confidence (LLMCad)
 MAX_BRANCHES = 16  # sequences per model: branches alive in one tree
 MAX_NODES = 48  # cap on the tree's node budget (the target's batch, and its logits rows)
@@ -30,6 +31,7 @@ class Options:
     tree: bool = True  # False: a linear chain (only the draft's top token)
     pacer: bool = True  # False: branches grow in turn (round robin)
     adaptive: bool = True  # False: verify only when the tree reaches its node budget
+    adaptive_split: bool = True  # False: the branch threshold stays where it is given (next_threshold)
     pipeline: bool = False  # draft on while the target verifies (measured within noise on 2 cores: off by default)
     threshold: float = THRESHOLD
     alpha: float = ALPHA
@@ -113,6 +115,20 @@ def round_robin(branches: list[Branch]) -> Branch | None:
     return min(alive, key=lambda b: b.length) if alive else None
 
 
+def next_threshold(threshold: float, took_branch: bool, had_branch: bool, all_accepted: bool) -> float:
+    """The branch threshold after a verification, moved by what the target accepted. Branches (a draft candidate
+    past the threshold beside the top one) cost nodes the main chain could have used to go deeper: a pass that had
+    some and accepted through none raises it (code, where the draft's top token is usually right, goes to a near
+    chain); a pass whose accepted path went through a side branch, or that rejected part of a chain with no branch
+    to fall back on, lowers it (prose, where the draft is often unsure, gets a bushier tree)."""
+    lo, hi = THRESHOLD_RANGE
+    if took_branch or (not had_branch and not all_accepted):
+        return max(lo, threshold * 0.8)
+    if had_branch:
+        return min(hi, threshold * 1.25)
+    return threshold
+
+
 def next_alpha(alpha: float, n_correct: int, n_all: int) -> float:
     """LLMCad eq. 3: halve the fallback threshold when the most matching branch was all correct, else set it to
     the branch's error fraction."""
@@ -191,6 +207,15 @@ class Tree:
             if child is None:
                 return out, node, False
             node = child
+
+    def took_branch(self, last: Node) -> bool:
+        """Whether the accepted path (down to last) went through a side branch: a node not its parent's top
+        candidate (the first child the draft added)."""
+        return any(n is not n.parent.children[0] for n in self.path(last)[1:])
+
+    def had_branch(self, nodes: list[Node]) -> bool:
+        """Whether a pass's nodes hold a side branch (the root aside)."""
+        return any(n is not self.root and n is not n.parent.children[0] for n in nodes)
 
     def matched(self, last: Node) -> int:
         """The nodes the target checked on the most matching branch (the deepest through last), root excluded:

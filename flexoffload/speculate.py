@@ -34,7 +34,8 @@ from .engine import Engine, Result, TextOut, stream_timings
 from .model import Model, load
 from .plan import override_patterns
 from .planners import is_small
-from .spectree import MAX_BRANCHES, MAX_NODES, MIN_NODES, Branch, Node, Options, Stats, Tree, next_alpha
+from .spectree import (MAX_BRANCHES, MAX_NODES, MIN_NODES, Branch, Node, Options, Stats, Tree, next_alpha,
+                       next_threshold)
 
 DEAD_SEQ = MAX_BRANCHES  # the target's sequence for rejected cells kept occupied (see Speculator._bury)
 
@@ -91,6 +92,7 @@ class _Call:
     sampler: object  # the target's llama_sampler chain
     pos_limit: int  # the last position the context holds
     alpha: float  # the fallback threshold (LLMCad eq. 3)
+    threshold: float  # the branch threshold (spectree.next_threshold)
     tree: Tree | None = None
     stats: Stats = field(default_factory=Stats)
     backlog: list[int] = field(default_factory=list)  # tokens the draft has yet to decode before the tree's nodes
@@ -163,7 +165,7 @@ class Speculator:
         added = []
         for rank, token in enumerate(int(t) for t in order):
             p = float(probs[token])
-            if rank > 0 and (not siblings or p < self.options.threshold or len(tree.branches) >= self.n_seq):
+            if rank > 0 and (not siblings or p < c.threshold or len(tree.branches) >= self.n_seq):
                 break
             node = tree.add(leaf, token, p)
             added.append(node)
@@ -230,10 +232,12 @@ class Speculator:
         out, last, ended = tree.walk(nodes, self._sample, lambda token: lib.llama_vocab_is_eog(t.vocab, token))
         accepted = len(out) - 1
         c.stats.n_accepted += accepted
-        if self.options.adaptive:  # LLMCad eq. 3 over the most matching branch
-            n_all = tree.matched(last)
-            if n_all:
-                c.alpha = next_alpha(c.alpha, accepted, n_all)
+        n_all = tree.matched(last)
+        if self.options.adaptive and n_all:  # LLMCad eq. 3 over the most matching branch
+            c.alpha = next_alpha(c.alpha, accepted, n_all)
+        if self.options.adaptive_split and self.options.tree:
+            c.threshold = next_threshold(c.threshold, tree.took_branch(last), tree.had_branch(nodes),
+                                         accepted >= n_all)
         if not ended:
             self._keep(last, out[-1])
         return out, ended
@@ -370,7 +374,7 @@ class Speculator:
         prompt_tokens = t.start(prompt, n_ctx)  # the target's last: its streaming statistics start here
         c = self.call = _Call(tbatch=_Batch(lib, max(t.n_batch, self.n_nodes_max), MAX_BRANCHES),
                               dbatch=_Batch(lib, d.n_batch, 1), sampler=t._sampler(), pos_limit=n_ctx - 1,
-                              alpha=self.options.alpha)
+                              alpha=self.options.alpha, threshold=self.options.threshold)
         text_out, stop = TextOut(t, on_text), "limit"
         tokens = text_out.tokens
         try:

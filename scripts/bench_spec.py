@@ -12,6 +12,7 @@ memory cgroup at the budget after the page cache is dropped:
     auto               flexoffload run -md DRAFT as a user gets it: the target alone where that is predicted faster
     tree               flexoffload, token-tree speculation (-md DRAFT --draft-always)
     tree-no-pacer, tree-no-adaptive   the ablations (LLMCad Figure 15)
+    tree-fixed-split   the tree with its branch threshold fixed at --draft-p-split (not moved by what is accepted)
     tree-pipeline      the tree with the speculative generation pipeline on (off by default: slower here)
 
 A configuration refused at a budget (below its minimum), killed by the kernel or timed out is a row with the error.
@@ -59,11 +60,12 @@ FLEX = {  # flexoffload run flags per configuration; "{draft}" is the draft mode
     "tree": ["-md", "{draft}", "--draft-always", "--spec", "tree"],
     "tree-no-pacer": ["-md", "{draft}", "--draft-always", "--spec", "tree", "--no-pacer"],
     "tree-no-adaptive": ["-md", "{draft}", "--draft-always", "--spec", "tree", "--no-adaptive"],
+    "tree-fixed-split": ["-md", "{draft}", "--draft-always", "--spec", "tree", "--no-adaptive-split"],
     "tree-pipeline": ["-md", "{draft}", "--draft-always", "--spec", "tree", "--pipeline"],
 }
 SPECULATIVE = "llama-speculative"
 CONFIGS = ("stream", "mmap", SPECULATIVE, "auto", "chain", "tree", "tree-no-pacer", "tree-no-adaptive",
-           "tree-pipeline")
+           "tree-fixed-split", "tree-pipeline")
 TARGET_ALONE = ("stream", "mmap")  # the reference outputs, stream first
 CTX_MARGIN = 64  # context beyond prompt and -n: a speculation tree's nodes past the last accepted token
 

@@ -86,6 +86,25 @@ def test_the_walk_follows_the_targets_tokens_while_they_are_verified_children():
     assert tree.owner(last) == 0 and tree.owner(fork) == 0
 
 
+def test_the_branch_threshold_follows_which_branches_the_target_takes():
+    tree = Tree(Node(1, None, 10, 1.0, 1.0))
+    fork = _chain(tree, tree.root, [2])
+    tree.branches[0].leaf = _chain(tree, fork, [3, 4])
+    tree.branches.append(Branch(1, _chain(tree, fork, [5])))
+    nodes, _ = tree.for_pass(10)
+    side = tree.walk(nodes, {0: 2, 1: 5, 4: 9}.__getitem__, lambda token: False)[1]
+    top = tree.walk(nodes, {0: 2, 1: 3, 2: 4, 3: 8}.__getitem__, lambda token: False)[1]
+    assert tree.had_branch(nodes) and tree.took_branch(side) and not tree.took_branch(top)
+    assert not tree.had_branch(nodes[:4])  # the top chain alone
+    t = spectree.THRESHOLD
+    assert spectree.next_threshold(t, True, True, False) == pytest.approx(t * 0.8)  # a branch paid: more of them
+    assert spectree.next_threshold(t, False, True, True) == pytest.approx(t * 1.25)  # branches unused: fewer
+    assert spectree.next_threshold(t, False, False, False) == pytest.approx(t * 0.8)  # a chain broke, none to fall on
+    assert spectree.next_threshold(t, False, False, True) == t
+    lo, hi = spectree.THRESHOLD_RANGE
+    assert spectree.next_threshold(hi, False, True, True) == hi and spectree.next_threshold(lo, True, True, True) == lo
+
+
 def test_a_tree_from_a_chain_drafted_during_the_pass_counts_confidence_from_its_new_root():
     old = Tree(Node(1, None, 10, 1.0, 1.0))
     reuse = _chain(old, old.root, [2], prob=0.4)
