@@ -140,7 +140,8 @@ def prepare(request: Request) -> Prepared:
     if not r.draft:
         plan = plan_for_run(model, r, limit)
         if plan is not None and plan.policy == tune.MMAP:  # plan --tune measured mmap faster at this budget
-            return Prepared(replace(r, strategy="mmap", plan_dir=None), model, limit, None, notes=[tune.mmap_note(plan)])
+            return Prepared(replace(r, strategy="mmap", plan_dir=None), model, limit, None,
+                            notes=[tune.mmap_note(plan)])
         return Prepared(r, model, limit, plan)
 
     from . import speculate, spectree

@@ -139,7 +139,8 @@ def request_from_flags(model_spec, prompt, prompt_file, n_predict, ctx_size, bat
         n_batch=batch_size, n_threads=threads, temp=temp, seed=seed, mem=mem, strategy=strategy, policy=policy,
         plan_dir=plan_dir, window=window, io_threads=io_threads, draft=draft_spec, draft_max=draft_max,
         draft_p_split=draft_p_split, spec=spec_mode, pacer=not no_pacer, adaptive=not no_adaptive,
-        adaptive_split=not no_adaptive_split, pipeline=pipeline, draft_always=draft_always, tuned=tuned, verbose=verbose)
+        adaptive_split=not no_adaptive_split, pipeline=pipeline, draft_always=draft_always, tuned=tuned,
+        verbose=verbose)
 
 
 def request_from_args(args: list[str]):

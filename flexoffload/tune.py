@@ -4,10 +4,10 @@ At low budgets every policy streams nearly the same bytes and the cost model pre
 yet one measured faster than another by 30% (ffn-first against balanced at 0.4x, README). So: the N plans balanced
 predicts fastest (one per window it tries), every baseline policy at its own best window, and upstream mmap (the
 cost model has no model of the page cache under a budget: measured, it is never chosen blindly nor missed) each
-run a few tokens in a fresh process under the enforced budget, cold, the candidates in turn, for a few rounds; the fastest mean is
-kept if it beats the predicted best by more than the drift between runs (MARGIN), else the predicted best is. Its
-plan.json records every candidate's predicted and measured tok/s (`tuning`). Tuned plans are cached per
-model file, budget, -c, -b and machine, and `run --mem` streams by one when it exists (api.plan_for_run).
+run a few tokens in a fresh process under the enforced budget, cold, the candidates in turn, for a few rounds. The
+fastest mean is kept if it beats the predicted best by more than the drift between runs (MARGIN), else the
+predicted best is. Its plan.json records every candidate's predicted and measured tok/s (`tuning`). Tuned plans are
+cached per model file, budget, -c, -b and machine, and `run --mem` streams by one when it exists (api.plan_for_run).
 """
 
 from __future__ import annotations

@@ -55,11 +55,17 @@ def _chain(tree: Tree, leaf: Node, tokens: list[int], prob: float = 0.5) -> Node
     return leaf
 
 
-def test_a_pass_takes_each_branch_from_the_root_down_and_its_nodes_know_their_branches():
+def _forked() -> tuple[Tree, Node]:
+    """1 -> 2, then 3 -> 4 (branch 0) and 5 (branch 1) below 2; the tree and the fork (2)."""
     tree = Tree(Node(1, None, 10, 1.0, 1.0))
     fork = _chain(tree, tree.root, [2])
     tree.branches[0].leaf = _chain(tree, fork, [3, 4])
     tree.branches.append(Branch(1, _chain(tree, fork, [5])))
+    return tree, fork
+
+
+def test_a_pass_takes_each_branch_from_the_root_down_and_its_nodes_know_their_branches():
+    tree, fork = _forked()
     assert tree.n_nodes == 5
     nodes, seqs = tree.for_pass(10)
     assert [n.token for n in nodes] == [1, 2, 3, 4, 5]  # branch 0 whole, then what branch 1 adds
@@ -71,10 +77,7 @@ def test_a_pass_takes_each_branch_from_the_root_down_and_its_nodes_know_their_br
 
 
 def test_the_walk_follows_the_targets_tokens_while_they_are_verified_children():
-    tree = Tree(Node(1, None, 10, 1.0, 1.0))
-    fork = _chain(tree, tree.root, [2])
-    tree.branches[0].leaf = _chain(tree, fork, [3, 4])
-    tree.branches.append(Branch(1, _chain(tree, fork, [5])))
+    tree, fork = _forked()
     nodes, _ = tree.for_pass(10)
     # the target's token at each row: after 1 it says 2, after 2 it says 5 (the second branch), after 5 it says 9
     says = {0: 2, 1: 5, 4: 9}
@@ -87,10 +90,7 @@ def test_the_walk_follows_the_targets_tokens_while_they_are_verified_children():
 
 
 def test_the_branch_threshold_follows_which_branches_the_target_takes():
-    tree = Tree(Node(1, None, 10, 1.0, 1.0))
-    fork = _chain(tree, tree.root, [2])
-    tree.branches[0].leaf = _chain(tree, fork, [3, 4])
-    tree.branches.append(Branch(1, _chain(tree, fork, [5])))
+    tree, _ = _forked()
     nodes, _ = tree.for_pass(10)
     side = tree.walk(nodes, {0: 2, 1: 5, 4: 9}.__getitem__, lambda token: False)[1]
     top = tree.walk(nodes, {0: 2, 1: 3, 2: 4, 3: 8}.__getitem__, lambda token: False)[1]
