@@ -260,7 +260,7 @@ def test_resident_tensors_are_locked_streamed_ones_not(streamable_model):
 # Two models streaming in one process (a target and a draft): each has its own statistics, the process's are
 # the sum. Only the first one decodes.
 _TWO_MODELS = r"""
-import json, sys
+import json, sys, time
 from flexoffload import engine, plan as plans, stream
 from flexoffload.model import load
 from flexoffload.planners import always_resident
@@ -272,9 +272,16 @@ patterns = tuple(plans.override_patterns(streamed, [t.name for t in m.tensors]))
 settings = engine.Settings(n_ctx=512, temp=0.0, strategy="stream", window=1, streamed_patterns=patterns)
 with engine.Engine(path, settings) as first, engine.Engine(path, settings) as second:
     r = first.generate("a b c", 4)
-    out = {name: vars(stream.stats(e.model)) for name, e in (("first", first), ("second", second))}
-    out["process"] = vars(stream.stats())
-    out["timings"] = r.timings
+    # the I/O threads go on reading the next pass's window after generate returns: read once they are done
+    last = None
+    for _ in range(200):
+        now = {name: vars(stream.stats(e.model)) for name, e in (("first", first), ("second", second))}
+        now["process"] = vars(stream.stats())
+        if now == last:
+            break
+        last = now
+        time.sleep(0.05)
+    out = {**now, "timings": r.timings}
 print(json.dumps(out))
 """
 
@@ -291,7 +298,7 @@ def test_statistics_are_per_model(streamable_model):
     assert first["bytes_read"] >= streamed_bytes(streamable_model, None) and first["n_passes"] >= 4
     assert second["bytes_read"] == 0 and second["n_reads"] == 0 and second["t_stall_s"] == 0
     assert process["bytes_read"] == first["bytes_read"] and process["n_reads"] == first["n_reads"]
-    assert out["timings"]["stream_bytes_read"] == first["bytes_read"]
+    assert 0 < out["timings"]["stream_bytes_read"] <= first["bytes_read"]  # the run's, before the read-ahead
     assert sum(first["layer_stall_s"]) <= first["t_stall_s"] + 1e-9 and not any(second["layer_stall_s"])
 
 
