@@ -166,8 +166,9 @@ def check_fits(plan: Plan, model, budget: int | None, directory) -> None:
     from .budget import format_size
 
     sizes = {t.name: t.n_bytes for t in model.tensors}
-    if set(plan.resident) | set(plan.streamed) != set(sizes) or \
-            sum(sizes[n] for n in plan.resident) != plan.memory.resident:
+    # an mmap plan (plan --tune measured mmap fastest) holds no weights of its own: its resident bytes are 0
+    resident = 0 if plan.policy == "mmap" else sum(sizes.get(n, 0) for n in plan.resident)
+    if set(plan.resident) | set(plan.streamed) != set(sizes) or resident != plan.memory.resident:
         raise FlexoffloadError(f"the plan in {directory} was made for another model ({Path(plan.model).name}), "
                                f"not {model.path.name}")
     if budget is not None and plan.memory.total > budget:

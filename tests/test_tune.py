@@ -69,3 +69,7 @@ def test_a_run_whose_tuned_choice_is_mmap_says_so_and_runs_mmap(tmp_path, monkey
     r = cli("run", "-m", str(path), "-p", "a b c", "-n", "4", "--temp", "0", "-c", "512", "--mem", str(mem),
             "--json", check=True)
     assert json.loads(r.stdout)["strategy"] == "mmap" and "mmap measured faster" in r.stderr
+    # the same plan saved by `plan --tune -o DIR` and given back with --plan
+    r = cli("run", "-m", str(path), "-p", "a b c", "-n", "4", "--temp", "0", "-c", "512", "--mem", str(mem),
+            "--plan", str(tune.cache_path(m, mem, 512, 512)), "--json", check=True)
+    assert json.loads(r.stdout)["strategy"] == "mmap" and "mmap measured faster" in r.stderr
