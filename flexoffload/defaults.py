@@ -30,6 +30,13 @@ IO_THREADS = 4
 SMALL_BYTES = 1 << 20
 
 
+def file_key(path: Path) -> str:
+    """A model file in cache keys (profiles, footprints, tuned plans): its name, size and modification time, so an
+    edited or replaced file is measured again."""
+    st = path.stat()
+    return f"{path.name}-{st.st_size}-{int(st.st_mtime)}"
+
+
 def cache_dir() -> Path:
     """Where models, the native build, profiles and footprints are kept: $FLEXOFFLOAD_CACHE or
     ~/.cache/flexoffload."""

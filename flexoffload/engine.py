@@ -103,7 +103,7 @@ def stream_timings(elapsed_s: float, model) -> dict:
     (compute overlaps the reads)."""
     from . import stream
 
-    st = stream.stats(model)
+    st = stream.stats(model, layers=False)
     return {"stream_bytes_read": st.bytes_read, "stream_reads": st.n_reads, "stream_direct": st.n_direct,
             "stream_stall_s": st.t_stall_s, "stream_read_s": st.t_read_s, "stream_passes": st.n_passes,
             "stream_rereads": st.n_rereads, "stream_committed_peak": st.bytes_committed_peak,

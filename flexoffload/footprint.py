@@ -24,9 +24,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from . import FlexoffloadError
-from .defaults import cache_dir
-
-MiB = 1 << 20
+from .budget import MiB
+from .defaults import cache_dir, file_key
 
 # "llama_kv_cache:        CPU KV buffer size =    28.00 MiB" (one line per cache: an ISWA model has two),
 # "llama_context:        CPU compute buffer size =    67.01 MiB", "llama_context:        CPU  output buffer size = ..."
@@ -51,8 +50,7 @@ class Footprint:
 
 
 def _cache_path(model, n_ctx: int, n_batch: int, n_outputs: int, n_seq_max: int) -> Path:
-    st = model.path.stat()
-    key = f"{model.path.name}-{st.st_size}-{int(st.st_mtime)}-c{n_ctx}-b{n_batch}-o{n_outputs}-s{n_seq_max}-v1"
+    key = f"{file_key(model.path)}-c{n_ctx}-b{n_batch}-o{n_outputs}-s{n_seq_max}-v1"
     return cache_dir() / "footprints" / f"{key}.json"
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 from . import FlexoffloadError
 from .costmodel import MATMUL_KINDS, Profile, chunk_rows, row_bytes
 from .model import Model
-from .defaults import CHUNK_BYTES, IO_THREADS, cache_dir
+from .defaults import CHUNK_BYTES, IO_THREADS, cache_dir, file_key
 
 HUGE_PAGE = 2 << 20  # a transparent huge page on x86-64 and arm64 (4 KiB base pages)
 ALIGN = 4096  # O_DIRECT wants offset, length and buffer aligned to the logical block size; 4 KiB covers all
@@ -139,10 +139,9 @@ def compute_speed(path: str | os.PathLike, n_threads: int, n_tokens: int = 24) -
 
 
 def _cache_path(model: Model, n_threads: int) -> Path:
-    st = model.path.stat()
     # v2: the disk read as the runtime reads it (pass_requests), not one cold sequential read; v3: into huge pages;
     # v4: a tied output's matmul counted in the calibration
-    return cache_dir() / "profiles" / f"{model.path.name}-{st.st_size}-{int(st.st_mtime)}-t{n_threads}-v4.json"
+    return cache_dir() / "profiles" / f"{file_key(model.path)}-t{n_threads}-v4.json"
 
 
 # Reads that show a sustained bandwidth: at least this many bytes, all with O_DIRECT (a small model's few reads say

@@ -210,7 +210,7 @@ class Speculator:
 
         from . import stream
 
-        stall0 = stream.stats(t.model).t_stall_s if t.settings.strategy != "mmap" else 0.0
+        stall0 = stream.stats(t.model, layers=False).t_stall_s if t.settings.strategy != "mmap" else 0.0
         rc = []
         t0 = time.perf_counter()
         # the per-row kernels a one-token pass uses: with the tiled ones (from 8 tokens) the logits would differ in
@@ -223,7 +223,7 @@ class Speculator:
         t_pass = time.perf_counter() - t0
         c.stats.target_s += t_pass
         if t.settings.strategy != "mmap":
-            c.stats.stall_s += stream.stats(t.model).t_stall_s - stall0
+            c.stats.stall_s += stream.stats(t.model, layers=False).t_stall_s - stall0
         if rc[0] != 0:
             raise FlexoffloadError(f"the target's llama_decode failed ({rc[0]}): {t.log.last_error()}")
         c.t_pass = t_pass if c.t_pass is None else 0.5 * (c.t_pass + t_pass)

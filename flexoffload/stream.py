@@ -105,25 +105,26 @@ class Stats:
     layer_stall_s: list[float]
 
 
-def stats(model=None) -> Stats:
+def stats(model=None, layers: bool = True) -> Stats:
     """The runtime's statistics since the last reset: of one model's streamed tensors (model: its llama_model
-    pointer; a draft's reads are not its target's), or of the whole process (None)."""
+    pointer; a draft's reads are not its target's), or of the whole process (None). layers False: without the
+    per-layer stalls (a call per layer; speculation reads the totals every target pass)."""
     lib, s = api(), StreamStats()
     if model is None:
         lib.llama_stream_get_stats(ctypes.byref(s))
     else:
         lib.llama_stream_get_model_stats(model, ctypes.byref(s))
-    layers = []
-    for il in range(lib.llama_stream_n_layers()):
+    layer_stall_s = []
+    for il in range(lib.llama_stream_n_layers() if layers else 0):
         ls = LayerStats()
         if model is None:
             lib.llama_stream_get_layer_stats(il, ctypes.byref(ls))
         else:
             lib.llama_stream_get_model_layer_stats(model, il, ctypes.byref(ls))
-        layers.append(ls.t_stall_s)
+        layer_stall_s.append(ls.t_stall_s)
     return Stats(bytes_read=s.bytes_read, n_reads=s.n_reads, n_direct=s.n_direct, t_read_s=s.t_read_s,
                  t_stall_s=s.t_stall_s, n_passes=s.n_passes, n_rereads=s.n_rereads,
-                 bytes_committed_peak=s.bytes_committed_peak, layer_stall_s=layers)
+                 bytes_committed_peak=s.bytes_committed_peak, layer_stall_s=layer_stall_s)
 
 
 def reset_stats() -> None:

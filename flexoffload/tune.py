@@ -19,7 +19,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from . import FlexoffloadError
-from .defaults import POLICIES, cache_dir
+from .defaults import POLICIES, cache_dir, file_key
 
 PROMPT = "def quicksort(arr):\n    \"\"\"Sort a list of numbers in ascending order.\"\"\"\n"
 
@@ -42,8 +42,7 @@ def _machine() -> str:
 
 
 def cache_path(model, budget: int, n_ctx: int, n_batch: int) -> Path:
-    st = model.path.stat()
-    key = f"{model.path.name}-{st.st_size}-{int(st.st_mtime)}-m{budget}-c{n_ctx}-b{n_batch}-{_machine()}"
+    key = f"{file_key(model.path)}-m{budget}-c{n_ctx}-b{n_batch}-{_machine()}"
     return cache_dir() / "tuned" / key
 
 
