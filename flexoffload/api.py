@@ -125,12 +125,32 @@ def plan_for_run(model, r: Request, limit: int | None, n_outputs: int = 1, n_seq
                        io_threads=r.io_threads or IO_THREADS, n_outputs=n_outputs, n_seq_max=n_seq_max, draft=draft)
 
 
+MMAP_MARGIN = 0.02  # mmap runs instead of a plan only if predicted faster by more than the cost model's resolution
+
+
+def _mmap_instead(model, plan, n_threads: int) -> str:
+    """What to tell the user if upstream mmap is predicted faster than the plan at its budget ('' if not): where
+    the page cache beside the run's other memory holds what a token touches, and the plan still streams."""
+    from . import costmodel
+    from . import profile as profiler
+
+    m = plan.memory
+    page_cache = plan.budget - (m.kv_cache + m.compute + m.overhead + m.code)
+    mmap_tok_s = 1 / costmodel.mmap_seconds(model, profiler.measure(model, n_threads), page_cache)
+    if mmap_tok_s <= plan.predicted_tok_s * (1 + MMAP_MARGIN):
+        return ""
+    return (f"flexoffload: the page cache holds what a token reads at this budget: mmap is predicted faster "
+            f"({mmap_tok_s:.2f} tok/s, the plan {plan.predicted_tok_s:.2f}): running mmap (--strategy stream "
+            f"streams)")
+
+
 def prepare(request: Request) -> Prepared:
     """Everything before loading: the model, the budget, the plan, and whether the draft pays at this budget.
 
     Bad input is a FlexoffloadError here, before any cgroup is made or weight is read."""
     from .model import load
 
+    auto = request.strategy is None
     r = replace(request, strategy=request.strategy or ("stream" if request.mem or request.plan_dir else "mmap"))
     _check(r)
     path = catalog.resolve(r.model)
@@ -142,6 +162,11 @@ def prepare(request: Request) -> Prepared:
         if plan is not None and plan.policy == tune.MMAP:  # plan --tune measured mmap faster at this budget
             return Prepared(replace(r, strategy="mmap", plan_dir=None), model, limit, None,
                             notes=[tune.mmap_note(plan)])
+        if auto and plan is not None and not plan.tuning and not r.plan_dir and r.policy == "balanced" \
+                and r.window is None:
+            note = _mmap_instead(model, plan, r.n_threads)
+            if note:
+                return Prepared(replace(r, strategy="mmap"), model, limit, None, notes=[note])
         return Prepared(r, model, limit, plan)
 
     from . import speculate, spectree
@@ -212,7 +237,8 @@ def run_prepared(p: Prepared, on_text=None) -> dict:
                   model={"path": r.model, "size": model.file_size, "name": model.name})
     if plan:
         result["plan"] = {"policy": plan.policy, "window": settings.window, "io_threads": settings.io_threads,
-                          "memory_mb": plan.memory.total / MiB, "resident_mb": plan.memory.resident / MiB,
+                          "memory_mb": plan.memory.total / MiB, "unreclaimable_mb": plan.memory.unreclaimable / MiB,
+                          "resident_mb": plan.memory.resident / MiB,
                           "streamed_mb": plans.streamed_bytes(plan, model) / MiB,
                           "predicted_tok_s": plan.predicted_tok_s, "roofline_tok_s": plan.roofline_tok_s}
     return result

@@ -129,7 +129,10 @@ def roofline_row(model, profile, label: str, limit: int, n_ctx: int, n_batch: in
     from .costmodel import roofline
     from .planners import ceiling
 
-    capacity = limit - budgets.context_bytes(model, n_ctx, n_batch).total - budgets.RUNTIME_OVERHEAD
+    from .footprint import slack
+
+    run = budgets.context_bytes(model, n_ctx, n_batch)
+    capacity = limit - run.total - run.runtime - run.code - slack(limit)
     tok_s = roofline(model, ceiling(model, profile), max(capacity, 0))
     return Row(model=model.path.name, size_mb=model.file_size / MiB, budget=label, budget_mb=limit / MiB,
                strategy="roofline", runs=0, tok_s_mean=tok_s, tok_s_sd=0.0, ttft_s_mean=0.0, peak_mb=0.0,

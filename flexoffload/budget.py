@@ -53,16 +53,10 @@ def format_size(n: int, up: bool = False) -> str:
     return f"{math.ceil(n / MiB)} MiB" if up else f"{n / MiB:.0f} MiB"
 
 
-# The process without model, KV cache or compute buffers: Python, the bindings, libllama and libggml,
-# their page cache included. Measured here as the cold cgroup peak of `flexoffload run` on a 100 KB model
-# (41 MiB, 2026-11-22), with room for other Pythons and libcs; see
-# tests/test_budget.py::test_runtime_overhead_covers_a_real_run, which checks it stays an upper bound.
-RUNTIME_OVERHEAD = 64 * MiB
-
-
 def context_bytes(model, n_ctx: int, n_batch: int, n_outputs: int = 1, n_seq_max: int = 1):
-    """What a context for model takes beside its weights (KV cache, compute and output buffers, vocabulary), as
-    llama.cpp reports it for these settings (footprint.measure: probed once, then cached)."""
+    """What a run of model takes beside its weights (KV cache, compute and output buffers, heap, the runtime and its
+    code), as llama.cpp reports it and the process measures it for these settings (footprint.measure: probed once,
+    then cached)."""
     from . import footprint
 
     return footprint.measure(model, n_ctx, n_batch, n_outputs, n_seq_max)
@@ -80,14 +74,21 @@ def resident_bytes(model, n_ctx: int, n_batch: int, n_outputs: int = 1, n_seq_ma
     return weights + context_bytes(model, n_ctx, n_batch, n_outputs, n_seq_max).total
 
 
+def holding(model, weights: int, n_ctx: int, n_batch: int) -> int:
+    """The budget a run at these settings needs to hold this many bytes of weights (and buffers for them)."""
+    from .footprint import KERNEL_FIXED, smallest_budget
+
+    run = context_bytes(model, n_ctx, n_batch)
+    return smallest_budget(run.runtime + run.code + run.total + KERNEL_FIXED + weights)
+
+
 def minimum(model, n_ctx: int, n_batch: int) -> int:
     """The smallest budget a run can work in with the mmap strategy.
 
     Beside the runtime and the context, the page cache must hold at least one layer's weights while the layer
     computes; below that every page faults in more than once per token.
     """
-    largest_layer = max((model.layer_bytes(i) for i in range(model.n_layer)), default=0)
-    return RUNTIME_OVERHEAD + context_bytes(model, n_ctx, n_batch).total + largest_layer
+    return holding(model, max((model.layer_bytes(i) for i in range(model.n_layer)), default=0), n_ctx, n_batch)
 
 
 def check(model, budget: int, n_ctx: int, n_batch: int) -> None:

@@ -248,9 +248,10 @@ class Prediction:
 def simulate(stages: list[Stage], window: int, max_tokens: int = 64) -> Prediction:
     """Steady-state seconds per token of the read/compute pipeline over `stages` with a prefetch window.
 
-    read_end[g] = max(read_end[g-1], compute_end[g-window-1]) + read[g]
+    read_end[g] = max(read_end[g-1], compute_end[q-1]) + read[g]
     compute_end[g] = max(compute_end[g-1], read_end[g]) + compute[g]
-    over global stage index g (token * len(stages) + stage), from an empty start; a stage with late reads (the
+    over global stage index g (token * len(stages) + stage), from an empty start, where q is the stage `window`
+    streaming stages before g (the runtime's window counts only stages that stream); a stage with late reads (the
     chunks of a chunked tensor beyond those it holds) reads them from its compute's start, and computes until
     both are done. It is a max-plus linear
     recurrence, so the time per token becomes periodic after a transient: simulation stops when the last tokens
@@ -262,13 +263,22 @@ def simulate(stages: list[Stage], window: int, max_tokens: int = 64) -> Predicti
     read = [s.read_s for s in stages]
     late = [s.late_read_s for s in stages]
     comp = [s.compute_s for s in stages]
+    # the runtime's ring holds only the stages that stream, and its window counts those (patch 0002, sched.cpp):
+    # a stage is queued when compute reaches the streaming stage `window` before it in the ring
+    ring = [s for s in range(n) if stages[s].n_streamed]
+    position = {s: p for p, s in enumerate(ring)}
+    window = min(window, max(len(ring) - 1, 0))
     read_start, read_end, comp_start, comp_end, stall = [], [], [], [], []
     ends = [0.0]  # compute end of each token
     r_prev = c_prev = 0.0
     seconds = None
     for token in range(max_tokens):
         for s in range(n):
-            slot = token * n + s - window - 1
+            if s in position:
+                turn, p = divmod(position[s] - window, len(ring))
+                slot = (token + turn) * n + ring[p] - 1  # the stage before the one whose compute queues s
+            else:
+                slot = -1  # reads nothing
             start = max(r_prev, comp_end[slot] if slot >= 0 else 0.0)
             r_prev = start + read[s]
             c0 = max(c_prev, r_prev)
@@ -383,10 +393,11 @@ class Pipeline:
         return self.predict(resident, window).seconds_per_token
 
     def window_bytes(self, resident: Collection[str], window: int) -> int:
-        """Memory for the prefetch buffers: the most bytes the streamed tensors of window+1 consecutive stages
-        (wrapping) hold (a chunked tensor: CHUNKS_IN_FLIGHT chunks), and the pages of the rows a streamed token_embd
+        """Memory for the prefetch buffers: the most bytes the streamed tensors of window+1 consecutive streaming
+        stages (wrapping) hold (a chunked tensor: CHUNKS_IN_FLIGHT chunks), and the pages of the rows a streamed token_embd
         reads (rows_memory)."""
-        return window_bytes_of([s.held_bytes for s in self.stages(resident)], window) + self.rows_memory(resident)
+        ring = [s.held_bytes for s in self.stages(resident) if s.n_streamed]
+        return window_bytes_of(ring, window) + self.rows_memory(resident)
 
     def rows_memory(self, resident: Collection[str]) -> int:
         """Memory of the streamed row-read tensors: a lookup's rows, not the tensor."""
@@ -398,7 +409,9 @@ class Pipeline:
 
 
 def window_bytes_of(streamed: list[int], window: int) -> int:
-    """The largest sum of window+1 cyclically consecutive entries (all of them if the window spans the ring)."""
+    """The largest sum of window+1 cyclically consecutive entries of the runtime's ring (all of them if the window
+    spans it). The ring has an entry only for a stage that streams (sched.cpp has a group only for those), so the
+    window reaches past a resident layer to the next one that streams."""
     n, span = len(streamed), window + 1
     if span >= n:
         return sum(streamed)
@@ -431,3 +444,23 @@ def roofline(model: Model, profile: Profile, budget_for_weights: int) -> float:
     by_rows = sum(t.n_bytes - row_bytes(t) for t in model.tensors if looked_up_only(model, t))
     missing = max(0, model.weight_bytes - by_rows - budget_for_weights)
     return 1.0 / max(compute_seconds(model, profile), missing / profile.disk_bw)
+
+
+def mmap_touched(model: Model) -> int:
+    """The weight bytes a decoded token touches under upstream mmap: all of them but a looked-up-only tensor's
+    (token_embd), of which a lookup touches a row's pages."""
+    return sum(row_bytes(t) if looked_up_only(model, t) else t.n_bytes for t in model.tensors)
+
+
+def mmap_seconds(model: Model, profile: Profile, page_cache: int) -> float:
+    """Seconds per token of upstream mmap with this much page cache beside the run's other memory.
+
+    If the cache holds what a token touches, it is compute-bound once warm. If not, each pass over the layers
+    evicts the pages the next pass needs first (a cyclic scan is the least-recently-used policy's worst case: seen
+    on the matrix at 0.5x-1.1x, mmap at a fifth to a third of its in-memory speed), so every page is read again
+    per token, synchronously, as compute faults on it."""
+    touched = mmap_touched(model)
+    compute = compute_seconds(model, profile)
+    if page_cache >= touched:
+        return compute
+    return compute + touched / profile.disk_bw

@@ -1,12 +1,15 @@
-"""What a model's context takes beside its weights, as llama.cpp itself reports it.
+"""What a run takes beside its weights, as llama.cpp itself reports it and the process measures it.
 
 A run's memory beside the weights depends on the architecture in ways no formula over a few header fields gets
 right: sliding-window layers keep a smaller KV cache, some models keep K and V for only some layers, the compute
 graph differs per architecture, the vocabulary's heap grows with its merges and token texts. So the plan asks
-llama.cpp: a probe, in a child process, loads the model with every weight streamed (so none is read), makes a
-context with exactly the run's settings (engine.context_params), and reads the sizes llama.cpp logs as it
-allocates: its KV buffers, its compute buffer and its output buffer. A vocab-only load before that gives the
-vocabulary's heap (the growth of the resident set). The result is cached per model file and settings.
+llama.cpp: a probe, in a child process that imports what a run imports, loads the model with every weight streamed
+(so none is read), makes a context with exactly the run's settings (engine.context_params), and reads the sizes
+llama.cpp logs as it allocates: its KV buffers, its compute buffer and its output buffer. The process's own
+counters give the rest: its anonymous memory before the model (Python, flexoffload, libllama: the runtime), what
+loading the model and making the context added beyond the KV cache (the vocabulary, tensor metadata, the
+context's bookkeeping: the heap), and the file pages it maps (its code). The result is cached per model file and
+settings.
 
 The C API has no call for these sizes (llama_get_memory_breakdown is C++ and returns a std::map), so the log is
 the public report; its lines are parsed below (to their 0.01 MiB, rounded up) and a probe that finds none of them
@@ -36,21 +39,34 @@ _SIZES = {
 }
 
 
+# Beside what the probe measures, a budget keeps the kernel memory a run is charged for (page tables, thread
+# stacks, slab: a page-table page per 2 MiB mapped, 512 entries of 8 bytes, and a fixed part for threads and files,
+# about 2 MiB in the matrix's runs) and a margin for what no counter predicts (malloc's arenas and fragmentation).
+KERNEL_FIXED = 2 * MiB
+KERNEL_PER_BYTE = 1 / 512
+MARGIN = 0.01
+
+
 @dataclass(frozen=True)
 class Footprint:
-    """Bytes a context takes beside the weights, as llama.cpp allocated them for one model and setting."""
+    """Bytes a run takes beside the weights: a context as llama.cpp allocated it for one model and setting, the
+    heap loading them added, and the process's own runtime and code."""
     kv_cache: int  # K and V of every layer that keeps them (sliding-window layers: their window's cells)
     compute: int  # the compute buffer, reserved for a ubatch of n_batch tokens
     output: int  # logits (and embeddings) of n_outputs rows
-    vocab: int  # the vocabulary in llama.cpp's heap: token texts, the token map, merges
+    heap: int  # the model's and context's heap: token texts, the token map, merges, tensor metadata, bookkeeping
+    sampling: int  # a sampled token's scratch: llama.cpp's candidate array (12 bytes per token) and a logits copy
+    runtime: int  # the process's anonymous memory before llama.cpp loads: Python, flexoffload, libllama, the header
+    code: int  # the file pages the process maps, the model's excepted: its code, reclaimable but in use
 
     @property
     def total(self) -> int:
-        return self.kv_cache + self.compute + self.output + self.vocab
+        """What a model's context and heap take (a second model in the same process takes this again)."""
+        return self.kv_cache + self.compute + self.output + self.heap + self.sampling
 
 
 def _cache_path(model, n_ctx: int, n_batch: int, n_outputs: int, n_seq_max: int) -> Path:
-    key = f"{file_key(model.path)}-c{n_ctx}-b{n_batch}-o{n_outputs}-s{n_seq_max}-v1"
+    key = f"{file_key(model.path)}-c{n_ctx}-b{n_batch}-o{n_outputs}-s{n_seq_max}-v2"
     return cache_dir() / "footprints" / f"{key}.json"
 
 
@@ -78,31 +94,56 @@ def measure(model, n_ctx: int, n_batch: int, n_outputs: int = 1, n_seq_max: int 
     return footprint
 
 
-def _rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+def slack(budget: int) -> int:
+    """Kernel memory and margin a run within budget bytes keeps room for."""
+    return KERNEL_FIXED + int(budget * (KERNEL_PER_BYTE + MARGIN))
+
+
+def smallest_budget(need: int) -> int:
+    """The smallest budget B that holds need bytes (KERNEL_FIXED counted in them) and the rest of its own slack."""
+    return int(need / (1 - KERNEL_PER_BYTE - MARGIN)) + 1
+
+
+def _anonymous() -> int:
+    """This process's resident anonymous memory (RssAnon)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _code(model_path: str) -> int:
+    """The resident file pages this process maps, but the model's (smaps: libraries, Python, its modules)."""
+    model = os.path.realpath(model_path)
+    total, path = 0, ""
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            first = line.split(None, 1)[0]
+            if "-" in first and not first.endswith(":"):  # a mapping's header: range perms offset dev inode [path]
+                fields = line.split()
+                path = fields[5] if len(fields) > 5 and fields[5].startswith("/") else ""
+            elif first == "Rss:" and path and path != model:
+                total += int(line.split()[1]) * 1024
+    return total
 
 
 def probe(model_path: str, n_ctx: int, n_batch: int, n_outputs: int, n_seq_max: int) -> Footprint:
-    """In this process: a vocab-only load, then a context with every weight streamed; the sizes llama.cpp logs."""
-    from . import engine
+    """In this process: the model with every weight streamed and a context; the sizes llama.cpp logs, and what the
+    process's memory grew by."""
+    from . import cli, engine  # noqa: F401 (what a run imports, so the runtime is a run's)
+    from .model import load
 
     lib = engine.llama_cpp()
     log = engine._Log(lib, verbose=False, keep=None)
-    mparams = lib.llama_model_default_params()
-    mparams.vocab_only = True
-    before = _rss()
-    vocab_model = lib.llama_model_load_from_file(model_path.encode(), mparams)
-    if not vocab_model:
-        raise FlexoffloadError(f"llama.cpp could not load {model_path}: {log.last_error()}")
-    vocab = max(_rss() - before, 0)
-    lib.llama_model_free(vocab_model)
-
+    load(model_path)  # a run reads the model's header in Python first (its tensors, for the plan)
+    runtime = _anonymous()
     settings = engine.Settings(n_ctx=n_ctx, n_batch=n_batch, n_threads=1, strategy="stream",
                                streamed_patterns=(".*",), window=0, io_threads=1, n_outputs=n_outputs,
                                n_seq_max=n_seq_max)
-    log.lines.clear()
     with engine.Engine(model_path, settings, log=log) as eng:
+        grown = _anonymous() - runtime
+        code = _code(model_path)
         n_vocab = lib.llama_vocab_n_tokens(eng.vocab)
         sizes = {}
         for name, pattern in _SIZES.items():
@@ -114,7 +155,11 @@ def probe(model_path: str, n_ctx: int, n_batch: int, n_outputs: int, n_seq_max: 
     # the output buffer is made for n_seq_max rows and grows at the first decode that asks for more
     # (llama_context::output_reserve): an f32 logits row of the vocabulary each
     sizes["output"] = max(sizes["output"], 4 * n_vocab * max(n_outputs, n_seq_max))
-    return Footprint(vocab=vocab, **sizes)
+    # llama.cpp clears the KV cache as it makes it (llama_kv_cache::clear), so its pages are in what the load grew
+    # by; the compute and output buffers are not touched yet
+    heap = max(grown - sizes["kv_cache"], 0)
+    sampling = (12 + 4) * n_vocab
+    return Footprint(heap=heap, sampling=sampling, runtime=runtime, code=code, **sizes)
 
 
 def main() -> None:

@@ -37,10 +37,16 @@ class Memory:
     window: int  # prefetch buffers for the streamed tensors
     kv_cache: int
     compute: int  # compute buffers
-    overhead: int  # the runtime's own
+    overhead: int  # the heap, the runtime's anonymous memory, the kernel's, a margin (and a resident draft model)
+    code: int = 0  # the runtime's file pages (libraries): reclaimable, but the run faults them back in
 
     @property
     def total(self) -> int:
+        return self.unreclaimable + self.code
+
+    @property
+    def unreclaimable(self) -> int:
+        """What the run holds that reclaim cannot take back (the matrix's measured peak is of this)."""
         return self.resident + self.window + self.kv_cache + self.compute + self.overhead
 
 

@@ -35,8 +35,8 @@ from flexoffload.model import load  # noqa: E402
 MiB = 1 << 20
 COLUMNS = ["model", "arch", "size_mb", "n_prompt", "budget", "budget_mb", "minimum_mb", "accepted", "refusal",
            "policy", "window",
-           "resident_mb", "streamed_mb", "predicted_mb", "unreclaimable_mb", "rss_mb", "enforced_peak_mb", "killed",
-           "error", "stream_tok_s", "predicted_tok_s", "mmap_tok_s", "mmap_error", "tokens_equal"]
+           "resident_mb", "streamed_mb", "predicted_mb", "predicted_unreclaimable_mb", "unreclaimable_mb", "rss_mb", "enforced_peak_mb", "killed",
+           "error", "strategy", "stream_tok_s", "predicted_tok_s", "mmap_tok_s", "mmap_error", "tokens_equal"]
 
 
 def model_path(name: str) -> Path:
@@ -134,17 +134,19 @@ def main() -> None:
                 row["accepted"] = True
                 roomy, err = run(stream, limit + model.file_size + (1 << 30))
                 if roomy:
+                    row.update(n_prompt=roomy["n_prompt"], unreclaimable_mb=round(roomy["peak_unreclaimable_mb"]),
+                               rss_mb=round(roomy["peak_rss_mb"]))
+                if roomy and "plan" in roomy:  # else mmap was predicted faster and ran
                     plan = roomy["plan"]
-                    row["n_prompt"] = roomy["n_prompt"]
                     row.update(policy=plan["policy"], window=plan["window"], resident_mb=round(plan["resident_mb"]),
                                streamed_mb=round(plan["streamed_mb"]), predicted_mb=round(plan["memory_mb"]),
-                               unreclaimable_mb=round(roomy["peak_unreclaimable_mb"]),
-                               rss_mb=round(roomy["peak_rss_mb"]), predicted_tok_s=round(plan["predicted_tok_s"], 2))
+                               predicted_unreclaimable_mb=round(plan["unreclaimable_mb"]),
+                               predicted_tok_s=round(plan["predicted_tok_s"], 2))
                 enforced, err = run(stream, limit)
                 row["killed"] = "out of memory" in err
                 row["error"] = err
                 if enforced:
-                    row.update(enforced_peak_mb=round(enforced["peak_mem_mb"]),
+                    row.update(enforced_peak_mb=round(enforced["peak_mem_mb"]), strategy=enforced["strategy"],
                                stream_tok_s=round(enforced["decode_tok_s"], 2))
                 mmap, mmap_err = run(replace(stream, strategy="mmap"), limit)
                 row["mmap_error"] = mmap_err
@@ -160,18 +162,22 @@ def main() -> None:
 
 def write_markdown(csv_path: Path) -> None:
     rows = list(csv.DictReader(open(csv_path)))
-    lines = ["| model | arch | budget | accepted | predicted MiB | unreclaimable MiB | rss MiB | enforced peak | "
-             "stream tok/s | mmap tok/s | tokens equal |",
-             "| --- | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+    lines = ["| model | arch | budget | accepted | unreclaimable MiB: predicted | measured | predicted/measured | "
+             "rss MiB | enforced peak | stream tok/s | mmap tok/s | tokens equal |",
+             "| --- | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
     for r in rows:
         budget = f"{r['budget']} ({r['budget_mb']} MiB)"
         if r["accepted"] != "True":
             lines.append(f"| {r['model']} | {r['arch']} | {budget} | refused: minimum {r['minimum_mb']} MiB | "
-                         f"| | | | | | |")
+                         f"| | | | | | | |")
             continue
         stream = r["stream_tok_s"] or ("killed" if r["killed"] == "True" else f"failed: {r['error']}")
+        if r["strategy"] and r["strategy"] != "stream":
+            stream += f" ({r['strategy']}: predicted faster)"
         mmap = r["mmap_tok_s"] or f"failed: {r['mmap_error']}"
-        lines.append(f"| {r['model']} | {r['arch']} | {budget} | yes | {r['predicted_mb']} | {r['unreclaimable_mb']} | "
+        predicted, measured = r["predicted_unreclaimable_mb"], r["unreclaimable_mb"]
+        ratio = f"{int(predicted) / int(measured):.3f}" if predicted and measured else ""
+        lines.append(f"| {r['model']} | {r['arch']} | {budget} | yes | {predicted} | {measured} | {ratio} | "
                      f"{r['rss_mb']} | {r['enforced_peak_mb']} | {stream} | {mmap} | {r['tokens_equal']} |")
     csv_path.with_suffix(".md").write_text("\n".join(lines) + "\n")
 

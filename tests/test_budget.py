@@ -60,7 +60,7 @@ def test_runtime_overhead_covers_a_real_run(tiny_model):
             "--json", check=True)
     peak = json.loads(r.stdout)["peak_mem_mb"] * MiB
     m = load(tiny_model)
-    assert budget.RUNTIME_OVERHEAD / 4 < peak <= budget.minimum(m, 2048, 512) + m.weight_bytes
+    assert budget.context_bytes(m, 2048, 512).runtime < peak <= budget.minimum(m, 2048, 512) + m.weight_bytes
 
 
 def test_minimum_is_refused_below_and_named(tiny_model):
@@ -69,7 +69,8 @@ def test_minimum_is_refused_below_and_named(tiny_model):
 
     m = load(tiny_model)
     need = budget.minimum(m, 2048, 512)
-    assert need > budget.RUNTIME_OVERHEAD + budget.context_bytes(m, 2048, 512).kv_cache
+    run = budget.context_bytes(m, 2048, 512)
+    assert need > run.runtime + run.code + run.kv_cache
     budget.check(m, need, 2048, 512)
     with pytest.raises(FlexoffloadError, match="minimum is"):
         budget.check(m, need - 1, 2048, 512)

@@ -84,7 +84,7 @@ def test_every_strategy_equals_llama_completion_with_the_same_overrides(tmp_path
     shape = synth.Shape(n_layer=4, n_embd=1024, n_ff=2816, n_head=8, n_head_kv=4, n_vocab=384, n_ctx_train=1024)
     model = synth.write(tmp_path / "streamable.gguf", shape)
     m = load(model)
-    budget = budgets.RUNTIME_OVERHEAD + budgets.context_bytes(m, 512, 512).total + m.weight_bytes * 3 // 4
+    budget = budgets.holding(m, m.weight_bytes * 3 // 4, 512, 512)
     plan_dir = tmp_path / "plan"
     cli("plan", "-m", str(model), "--mem", str(budget), "-c", "512", "-b", "512", "-o", str(plan_dir), check=True)
     planned = (plan_dir / "tensors.ot").read_text().split()

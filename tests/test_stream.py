@@ -56,7 +56,7 @@ def test_every_policy_matches_mmap_under_a_budget(streamable_model, policy):
     from flexoffload import budget as budgets
 
     # runtime, KV cache and compute buffers, then half the weights for resident tensors and the window
-    budget = budgets.RUNTIME_OVERHEAD + budgets.context_bytes(m, 512, 512).total + m.weight_bytes // 2
+    budget = budgets.holding(m, m.weight_bytes // 2, 512, 512)
     out = run_json(streamable_model, "a b c", 8, "--mem", str(budget), "--policy", policy)
     assert out["strategy"] == "stream" and out["plan"]["policy"] == policy
     assert out["tokens"] == base["tokens"]
@@ -495,6 +495,24 @@ def test_everything_chunked_is_bit_exact(chunky_model, window):
     held = Pipeline(m, chunk_bytes=CHUNK).window_bytes({x.name for x in m.tensors} - {x.name for x in streamed},
                                                        window)
     assert t["stream_committed_peak"] <= held + (1 << 20)
+
+
+def test_the_window_reaches_past_a_resident_layer(chunky_model):
+    """The first and last layers kept resident, window 1: the runtime's ring has no group for a resident layer, so
+    the layer before the last and the output (read whole) are in flight together; the planner counts that."""
+    from flexoffload.costmodel import Pipeline
+
+    m = load(chunky_model)
+    last, whole = CHUNKY.n_layer - 1, 64 << 20
+    streamed = [t.name for t in m.tensors if t.kind == "output" or (t.kind.startswith("attn_") and 0 < t.layer < last
+                                                                     and t.kind != "attn_norm")]
+    out, *_ = _chunked_run(chunky_model, "stream", 1, streamed, whole, 1)
+    pipe = Pipeline(m, chunk_bytes=whole)
+    resident = {t.name for t in m.tensors} - set(streamed)
+    held = pipe.window_bytes(resident, 1)
+    output = next(t for t in m.tensors if t.kind == "output")
+    assert held == output.n_bytes + pipe.stages(resident)[last - 1].held_bytes  # blk.0 .. blk.3, output
+    assert held - 16 * 4096 <= out.timings["stream_committed_peak"] <= held + 16 * 4096
 
 
 @pytest.mark.integration

@@ -14,7 +14,7 @@ def test_tune_measures_the_candidates_keeps_the_fastest_and_run_uses_it(tmp_path
     monkeypatch.setenv("FLEXOFFLOAD_CACHE", str(tmp_path / "cache"))  # the children inherit it
     path = synth.write(tmp_path / "streamable.gguf", STREAMABLE)
     m = load(path)
-    mem = budgets.RUNTIME_OVERHEAD + budgets.context_bytes(m, 512, 512).total + m.weight_bytes * 3 // 4
+    mem = budgets.holding(m, m.weight_bytes * 3 // 4, 512, 512)
     out = json.loads(cli("plan", "-m", str(path), "--mem", str(mem), "-c", "512", "-o", str(tmp_path / "plan"),
                          "--tune", "2", "--tune-rounds", "1", "--json", check=True).stdout)
     tuning = out["tuning"]
@@ -55,7 +55,7 @@ def test_a_run_whose_tuned_choice_is_mmap_says_so_and_runs_mmap(tmp_path, monkey
     monkeypatch.setenv("FLEXOFFLOAD_CACHE", str(tmp_path / "cache"))
     path = synth.write(tmp_path / "streamable.gguf", STREAMABLE)
     m = load(path)
-    mem = budgets.RUNTIME_OVERHEAD + budgets.context_bytes(m, 512, 512).total + m.weight_bytes * 3 // 4
+    mem = budgets.holding(m, m.weight_bytes * 3 // 4, 512, 512)
     best = tune.candidates(m, mem, measure(m, 2), 512, 512, 1)[0]
     tuning = ({"policy": best.policy, "window": best.window, "predicted_tok_s": best.predicted_tok_s,
                "measured_tok_s": 2.0, "runs": [2.0], "error": ""},

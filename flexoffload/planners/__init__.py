@@ -59,8 +59,10 @@ def memory_for(model: Model, resident: Collection[str], window: int) -> int:
 class Ledger:
     """A resident set being built, within a capacity for its bytes plus its window.
 
-    Only layer tensors are added (the stages are then fixed). Making a tensor resident never grows the window, so
-    what fits with the window as last computed fits; it is recomputed only when that is not enough.
+    Only layer tensors are added (the stages are then fixed). Making a tensor resident never grows the window while
+    its stage still streams, so what fits with the window as last computed fits; it is recomputed only when that is
+    not enough. A stage that stops streaming leaves the runtime's ring, and the window then reaches one stage
+    further: that can grow it, so it is recomputed at once.
     """
 
     def __init__(self, model: Model, resident: set[str], capacity: int, window: int):
@@ -70,11 +72,14 @@ class Ledger:
         self.stage = {t.name: index[f"blk.{t.layer}"] for t in model.tensors if t.layer is not None}
         self.held = pipe.held  # read buffers a streamed tensor holds (a chunked one: a few chunks)
         self.streamed = [s.held_bytes for s in stages]  # per stage, what its streamed tensors hold
+        # stages in the runtime's ring that hold no read buffer (a row-read token_embd): fixed, as only layer
+        # tensors are added
+        self.rows_stages = {i for i, s in enumerate(stages) if s.n_streamed and not s.held_bytes}
         self.resident = set(resident)
         # resident bytes, and the pages of the rows a streamed token_embd reads (fixed: only layer tensors are added)
         self.used = sum(t.n_bytes for t in model.tensors if t.name in resident) + pipe.rows_memory(resident)
         self.capacity, self.window = capacity, window
-        self.window_bytes = window_bytes_of(self.streamed, window)  # an upper bound while not fresh
+        self.window_bytes = self.window_of(self.streamed)  # an upper bound while not fresh
         self._fresh, self._window_stages = True, None
 
     def copy(self) -> "Ledger":
@@ -86,6 +91,11 @@ class Ledger:
         """Whether all these (streamed layer) tensors can be made resident together."""
         tensors = [t for t in tensors if t.name not in self.resident]
         n_bytes = sum(t.n_bytes for t in tensors)
+        streamed = list(self.streamed)
+        for t in tensors:
+            streamed[self.stage[t.name]] -= self.held[t.name]
+        if self._ring(streamed) != self._ring(self.streamed):  # the ring changes: the window may grow
+            return self.used + n_bytes + self.window_of(streamed) <= self.capacity
         if self.used + n_bytes + self.window_bytes <= self.capacity:
             return True
         self._refresh()
@@ -93,18 +103,18 @@ class Ledger:
             return True
         if len(tensors) == 1 and self.stage[tensors[0].name] not in self.window_stages():
             return False  # the window would not shrink
-        streamed = list(self.streamed)
-        for t in tensors:
-            streamed[self.stage[t.name]] -= self.held[t.name]
-        return self.used + n_bytes + window_bytes_of(streamed, self.window) <= self.capacity
+        return self.used + n_bytes + self.window_of(streamed) <= self.capacity
 
     def add(self, tensors: Iterable[Tensor]) -> None:
         for t in tensors:
             if t.name not in self.resident:
                 self.resident.add(t.name)
                 self.used += t.n_bytes
-                self.streamed[self.stage[t.name]] -= self.held[t.name]
+                stage = self.stage[t.name]
+                self.streamed[stage] -= self.held[t.name]
                 self._fresh, self._window_stages = False, None
+                if not self.streamed[stage]:  # left the ring
+                    self._refresh()
         if self.used + self.window_bytes > self.capacity:
             self._refresh()
             assert self.used + self.window_bytes <= self.capacity, "added tensors that do not fit"
@@ -117,29 +127,37 @@ class Ledger:
         return self
 
     def shrink(self, t: Tensor) -> int:
-        """How much making t resident would shrink the window."""
+        """How much making t resident would shrink the window (less than nothing if its stage leaves the ring)."""
         self._refresh()
         streamed = list(self.streamed)
         streamed[self.stage[t.name]] -= self.held[t.name]
-        return self.window_bytes - window_bytes_of(streamed, self.window)
+        return self.window_bytes - self.window_of(streamed)
 
     def window_stages(self) -> set[int]:
         """The stages in every run of window+1 stages that sets the window: only a tensor there can shrink it."""
         if self._window_stages is None:
-            n, span = len(self.streamed), self.window + 1
-            stages = set(range(n))
+            ring = self._ring(self.streamed)
+            n, span = len(ring), self.window + 1
+            stages = set(ring)
             if span < n:
-                runs = [sum(self.streamed[(i + j) % n] for j in range(span)) for i in range(n)]
+                runs = [sum(self.streamed[ring[(i + j) % n]] for j in range(span)) for i in range(n)]
                 top = max(runs)
                 for i, run in enumerate(runs):
                     if run == top:
-                        stages &= {(i + j) % n for j in range(span)}
+                        stages &= {ring[(i + j) % n] for j in range(span)}
             self._window_stages = stages
         return self._window_stages
 
+    def _ring(self, streamed: list[int]) -> list[int]:
+        """The stages in the runtime's ring: those that stream (sched.cpp has a group only for those)."""
+        return [i for i, b in enumerate(streamed) if b > 0 or i in self.rows_stages]
+
+    def window_of(self, streamed: list[int]) -> int:
+        return window_bytes_of([streamed[i] for i in self._ring(streamed)], self.window)
+
     def _refresh(self) -> None:
         if not self._fresh:
-            self.window_bytes, self._fresh = window_bytes_of(self.streamed, self.window), True
+            self.window_bytes, self._fresh = self.window_of(self.streamed), True
 
 
 def base(model: Model, capacity: int, window: int) -> Ledger:
@@ -174,18 +192,19 @@ def by_kind(pool: Iterable[Tensor], kinds: Iterable[str]) -> list[list[Tensor]]:
 
 
 def minimum_budget(model: Model, window: int | None = None, kv_cache: int = 0, compute: int = 0,
-                   overhead: int = 0) -> int:
+                   overhead: int = 0, code: int = 0) -> int:
     """The smallest budget that runs: everything streamable streamed, small tensors resident, the window's
-    buffers, KV cache, compute buffers and overhead (window None: the least over AUTO_WINDOWS, i.e. window 0).
+    buffers, KV cache, compute buffers, overhead and code (window None: the least over AUTO_WINDOWS, i.e. window 0).
     Streaming a tensor moves its bytes to the window at most (a chunked one: a few chunks), so no plan needs less."""
     windows = AUTO_WINDOWS if window is None else (window,)
     small = always_resident(model)
-    return min(memory_for(model, small, w) for w in windows) + kv_cache + compute + overhead
+    return min(memory_for(model, small, w) for w in windows) + kv_cache + compute + overhead + code
 
 
 def make_plan(model: Model, budget: int, policy: str, profile: Profile, window: int | None = None,
-              io_threads: int = IO_THREADS, kv_cache: int = 0, compute: int = 0, overhead: int = 0) -> Plan:
-    """Plan a whole-process budget: resident weights + window + KV cache + compute buffers + overhead.
+              io_threads: int = IO_THREADS, kv_cache: int = 0, compute: int = 0, overhead: int = 0,
+              code: int = 0) -> Plan:
+    """Plan a whole-process budget: resident weights + window + KV cache + compute buffers + overhead + code.
 
     window None: the one of AUTO_WINDOWS the cost model predicts fastest for this policy and budget. A deeper
     window overlaps more but its buffers take memory from resident tensors: while the disk is the bottleneck one
@@ -194,15 +213,13 @@ def make_plan(model: Model, budget: int, policy: str, profile: Profile, window: 
     if policy not in POLICIES:
         raise FlexoffloadError(f"unknown policy {policy!r}: one of {', '.join(POLICIES)}")
     windows = AUTO_WINDOWS if window is None else (window,)
-    need = min(minimum_budget(model, w, kv_cache, compute, overhead) for w in windows)
-    if budget < need:
-        raise FlexoffloadError(f"budget {format_size(budget)} is too small for {model.path.name} with window "
-                               f"{min(windows)}: the minimum is {format_size(need, up=True)}")
-    capacity = budget - kv_cache - compute - overhead
+    refuse_below(model, budget, min(minimum_budget(model, w, kv_cache, compute, overhead, code) for w in windows),
+                 min(windows))
+    capacity = budget - kv_cache - compute - overhead - code
     pipe = Pipeline(model, profile, io_threads)
     best = None
     for w in windows:
-        if budget >= minimum_budget(model, w, kv_cache, compute, overhead):
+        if budget >= minimum_budget(model, w, kv_cache, compute, overhead, code):
             resident = POLICIES[policy](model, capacity, profile, w, io_threads)
             seconds = pipe.seconds(resident, w)
             if best is None or seconds < best[0]:
@@ -210,7 +227,7 @@ def make_plan(model: Model, budget: int, policy: str, profile: Profile, window: 
     seconds, window, resident = best
     memory = Memory(resident=sum(t.n_bytes for t in model.tensors if t.name in resident),
                     window=pipe.window_bytes(resident, window), kv_cache=kv_cache, compute=compute,
-                    overhead=overhead)
+                    overhead=overhead, code=code)
     return Plan(
         model=str(model.path), policy=policy, budget=budget, memory=memory,
         resident=tuple(t.name for t in model.tensors if t.name in resident),
@@ -220,6 +237,12 @@ def make_plan(model: Model, budget: int, policy: str, profile: Profile, window: 
         roofline_tok_s=roofline(model, ceiling(model, profile), capacity),
         profile=profile,
     )
+
+
+def refuse_below(model: Model, budget: int, need: int, window: int) -> None:
+    if budget < need:
+        raise FlexoffloadError(f"budget {format_size(budget)} is too small for {model.path.name} with window "
+                               f"{window}: the minimum is {format_size(need, up=True)}")
 
 
 def ceiling(model: Model, profile: Profile) -> Profile:
@@ -235,26 +258,36 @@ def ceiling(model: Model, profile: Profile) -> Profile:
 def plan_budget(model: Model, budget: int, policy: str, profile: Profile, n_ctx: int, n_batch: int,
                 window: int | None = None, io_threads: int = IO_THREADS, n_outputs: int = 1,
                 n_seq_max: int = 1, draft: int = 0) -> Plan:
-    """make_plan with what a context at these settings takes beside the weights, as llama.cpp reports it
-    (budget.context_bytes), and the runtime; draft is what a resident draft model takes (budget.resident_bytes),
+    """make_plan with what a run at these settings takes beside the weights, as llama.cpp reports it and the probe
+    measures it (budget.context_bytes); draft is what a resident draft model takes (budget.resident_bytes),
     counted with the overhead."""
+    from ..footprint import smallest_budget
+
+    # the slack grows with the budget: the minimum is the smallest budget that holds its own
+    floor = smallest_budget(minimum_budget(model, window, **run_costs(model, n_ctx, n_batch, n_outputs, n_seq_max,
+                                                                      draft)))
+    refuse_below(model, budget, floor, min(AUTO_WINDOWS) if window is None else window)
     return make_plan(model, budget, policy, profile, window=window, io_threads=io_threads,
-                     **run_costs(model, n_ctx, n_batch, n_outputs, n_seq_max, draft))
+                     **run_costs(model, n_ctx, n_batch, n_outputs, n_seq_max, draft, budget))
 
 
 def run_costs(model: Model, n_ctx: int, n_batch: int, n_outputs: int = 1, n_seq_max: int = 1,
-              draft: int = 0) -> dict[str, int]:
-    """A run's memory beside weights and window, as make_plan takes it: kv_cache, compute, overhead."""
-    from ..budget import RUNTIME_OVERHEAD, context_bytes
+              draft: int = 0, budget: int = 0) -> dict[str, int]:
+    """A run's memory beside weights and window, as make_plan takes it: kv_cache, compute, overhead (heap,
+    runtime, draft, and the slack a budget of this size keeps), code."""
+    from ..budget import context_bytes
+    from ..footprint import slack
 
-    context = context_bytes(model, n_ctx, n_batch, n_outputs, n_seq_max)
-    return dict(kv_cache=context.kv_cache, compute=context.compute + context.output,
-                overhead=RUNTIME_OVERHEAD + context.vocab + draft)
+    run = context_bytes(model, n_ctx, n_batch, n_outputs, n_seq_max)
+    return dict(kv_cache=run.kv_cache, compute=run.compute + run.output,
+                overhead=run.heap + run.sampling + run.runtime + draft + slack(budget), code=run.code)
 
 
 def run_minimum(model: Model, n_ctx: int, n_batch: int) -> int:
     """The smallest budget plan_budget accepts for a run at n_ctx and n_batch (window chosen freely)."""
-    return minimum_budget(model, None, **run_costs(model, n_ctx, n_batch))
+    from ..footprint import smallest_budget
+
+    return smallest_budget(minimum_budget(model, None, **run_costs(model, n_ctx, n_batch)))
 
 
 def stream_all(model: Model, capacity: int, profile: Profile, window: int, io_threads: int) -> set[str]:
