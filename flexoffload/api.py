@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import tempfile
 from dataclasses import asdict, dataclass, field, replace
@@ -58,6 +59,7 @@ class Request:
     adaptive_split: bool = True
     pipeline: bool = False
     draft_always: bool = False  # speculate even where the target alone is predicted faster
+    rpc: str | None = None  # RPC servers (HOST:PORT,...) the plan places tensors on
     tuned: bool = True  # stream by a plan --tune made for this model, budget and machine, where there is one
     verbose: bool = False
 
@@ -88,6 +90,12 @@ def _check(r: Request) -> None:
         raise FlexoffloadError("no prompt: give one with -p TEXT or -f FILE")
     if r.spec not in ("tree", "chain"):
         raise FlexoffloadError(f"unknown speculation shape {r.spec!r}: tree or chain")
+    if r.rpc:
+        from . import devices
+
+        devices.parse_endpoints(r.rpc)
+        if r.draft:
+            raise FlexoffloadError("--rpc and -md: speculation runs on this machine only, for now")
 
 
 def plan_for_run(model, r: Request, limit: int | None, n_outputs: int = 1, n_seq_max: int = 1, draft: int = 0):
@@ -125,23 +133,29 @@ def plan_for_run(model, r: Request, limit: int | None, n_outputs: int = 1, n_seq
                        io_threads=r.io_threads or IO_THREADS, n_outputs=n_outputs, n_seq_max=n_seq_max, draft=draft)
 
 
-MMAP_MARGIN = 0.02  # mmap runs instead of a plan only if predicted faster by more than the cost model's resolution
+MMAP_TIE = 0.02  # mmap runs where predicted within this of the plan: the cost model's resolution
 
 
 def _mmap_instead(model, plan, n_threads: int) -> str:
-    """What to tell the user if upstream mmap is predicted faster than the plan at its budget ('' if not): where
-    the page cache beside the run's other memory holds what a token touches, and the plan still streams."""
-    from . import costmodel
+    """What to tell the user if upstream mmap is predicted as fast as the plan at its budget ('' if not).
+
+    That is where the page cache beside the run's other memory holds what a token touches: mmap is compute-bound
+    there, and the plan can only match it. A tie goes to mmap: measured over the matrix (results/matrix.md), every
+    run where mmap's cache held a token's bytes was as fast or faster with mmap (a plan streaming a few MiB a token
+    lost up to 11 %; one keeping every weight resident, in memory llama.cpp allocates and locks, 2-9 %, as upstream's
+    own --mlock loses to mmap). The plan's margin (footprint.MARGIN) is for the budget's promise, not this
+    prediction: it counts as cache."""
+    from . import costmodel, footprint
     from . import profile as profiler
 
     m = plan.memory
-    page_cache = plan.budget - (m.kv_cache + m.compute + m.overhead + m.code)
+    page_cache = plan.budget - (m.kv_cache + m.compute + m.overhead + m.code) + int(footprint.MARGIN * plan.budget)
     mmap_tok_s = 1 / costmodel.mmap_seconds(model, profiler.measure(model, n_threads), page_cache)
-    if mmap_tok_s <= plan.predicted_tok_s * (1 + MMAP_MARGIN):
+    if mmap_tok_s < plan.predicted_tok_s * (1 - MMAP_TIE):
         return ""
-    return (f"flexoffload: the page cache holds what a token reads at this budget: mmap is predicted faster "
-            f"({mmap_tok_s:.2f} tok/s, the plan {plan.predicted_tok_s:.2f}): running mmap (--strategy stream "
-            f"streams)")
+    return (f"flexoffload: the page cache holds what a token reads at this budget: mmap is predicted as fast as "
+            f"the plan or faster ({mmap_tok_s:.2f} tok/s, the plan {plan.predicted_tok_s:.2f}): running mmap "
+            f"(--strategy stream streams)")
 
 
 def prepare(request: Request) -> Prepared:
@@ -157,11 +171,20 @@ def prepare(request: Request) -> Prepared:
     r.model = str(path)
     model = load(path)
     limit = budgets.parse_size(r.mem, model.file_size) if r.mem else None
+    if r.rpc:  # llama.cpp aborts on a server it cannot reach: each is asked first, for a one-line error
+        from . import devices
+
+        for endpoint in devices.parse_endpoints(r.rpc):
+            devices.probe_rpc(endpoint)
     if not r.draft:
         plan = plan_for_run(model, r, limit)
         if plan is not None and plan.policy == tune.MMAP:  # plan --tune measured mmap faster at this budget
             return Prepared(replace(r, strategy="mmap", plan_dir=None), model, limit, None,
                             notes=[tune.mmap_note(plan)])
+        if plan is not None and plan.placed and not r.rpc:
+            raise FlexoffloadError(f"the plan in {r.plan_dir} places tensors on "
+                                   f"{', '.join(dict.fromkeys(b for _, b in plan.placed))}: give their servers "
+                                   f"with --rpc")
         if auto and plan is not None and not plan.tuning and not r.plan_dir and r.policy == "balanced" \
                 and r.window is None:
             note = _mmap_instead(model, plan, r.n_threads)
@@ -204,7 +227,7 @@ def prepare(request: Request) -> Prepared:
 
 def run_prepared(p: Prepared, on_text=None) -> dict:
     """Load and generate in this process; the result as a dict (engine.Result's fields and the run's context)."""
-    from . import engine
+    from . import devices, engine
     from . import plan as plans
 
     r, model, plan = p.request, p.model, p.plan
@@ -213,6 +236,8 @@ def run_prepared(p: Prepared, on_text=None) -> dict:
         n_ctx=r.n_ctx, n_batch=r.n_batch, n_threads=r.n_threads, temp=r.temp, seed=r.seed & 0xFFFFFFFF,
         strategy=r.strategy,
         streamed_patterns=tuple(plans.override_patterns(list(plan.streamed), names)) if plan else (),
+        placed_patterns=tuple((p, b) for p, b in plans.overrides(plan) if b != plans.STREAMED_BUFT) if plan else (),
+        rpc=tuple(devices.parse_endpoints(r.rpc)) if r.rpc else (),
         window=(r.window if r.window is not None else plan.window) if plan else 0,
         io_threads=r.io_threads or (plan.io_threads if plan else IO_THREADS), verbose=r.verbose)
     if p.draft_model is not None:
@@ -244,9 +269,10 @@ def run_prepared(p: Prepared, on_text=None) -> dict:
     return result
 
 
-def run_in_cgroup(p: Prepared, limit: int, stream_text: bool = False, timeout: float | None = None) -> dict:
+def run_in_cgroup(p: Prepared, limit: int | None, stream_text: bool = False, timeout: float | None = None) -> dict:
     """Run the prepared request in a fresh process in its own memory cgroup of limit bytes (the budget, or more to
-    measure with room to spare); its result with the cgroup's peak, faults and the peak of unreclaimable memory.
+    measure with room to spare; None: no cgroup); its result with the cgroup's peak, faults and the peak of
+    unreclaimable memory.
     stream_text: the child writes the text to this process's stdout as it comes."""
     with tempfile.TemporaryDirectory(prefix="flexoffload-") as tmp:
         request_file, result_file = Path(tmp) / "request.json", Path(tmp) / "result.json"
@@ -258,9 +284,15 @@ def run_in_cgroup(p: Prepared, limit: int, stream_text: bool = False, timeout: f
             if run.oom_killed:
                 raise FlexoffloadError(
                     f"out of memory: the kernel stopped the run at the enforced budget of {format_size(limit)}")
+            if p.request.rpc and run.returncode == -signal.SIGABRT:
+                # llama.cpp's RPC client aborts when a server stops answering (RPC_STATUS_ASSERT)
+                raise FlexoffloadError(f"an RPC server ({p.request.rpc}) stopped answering: the run ended")
             last = [line for line in run.stderr.strip().splitlines() if line.strip()][-1:] or [f"exit {run.returncode}"]
             raise FlexoffloadError(f"the run failed under the cgroup: {last[0].removeprefix('flexoffload: ')}")
         result = json.loads(result_file.read_text())
+    if limit is None:  # a child only for its own sake (RPC): its peak is its RSS, as in process
+        result["wall_s"] = run.wall_s
+        return result
     result.update(peak_rss_mb=result["peak_mem_mb"], peak_mem_mb=run.peak_mem_mb, peak_source="cgroup",
                   enforced=True, faults=run.faults, peak_unreclaimable_mb=run.unreclaimable_mb, wall_s=run.wall_s)
     return result
@@ -276,6 +308,8 @@ def generate(request: Request, on_text=None, enforce: bool = False, echo=None, t
     for note in p.notes:
         if echo:
             echo(note)
+    if not enforce and p.request.rpc:  # in a child: llama.cpp aborts the process when an RPC server fails
+        return run_in_cgroup(p, None, stream_text=on_text is not None, timeout=timeout)
     if not enforce:
         return run_prepared(p, on_text)
     if p.limit is None:
@@ -291,12 +325,13 @@ def generate(request: Request, on_text=None, enforce: bool = False, echo=None, t
 
 
 def main() -> None:
-    """The child of an enforced run: `python -m flexoffload.api REQUEST.json RESULT.json [--stream-text]`."""
+    """The child of an enforced run (or an RPC one): `python -m flexoffload.api REQUEST.json RESULT.json
+    [--stream-text]`. It runs here, in this process: the parent made the child to hold it."""
     request_file, result_file, *flags = sys.argv[1:]
     request = Request(**json.loads(Path(request_file).read_text()))
     on_text = (lambda s: (sys.stdout.write(s), sys.stdout.flush())) if "--stream-text" in flags else None
     try:
-        result = generate(request, on_text)
+        result = run_prepared(prepare(request), on_text)
     except FlexoffloadError as e:
         print(f"flexoffload: {e}", file=sys.stderr)
         sys.exit(1)

@@ -110,19 +110,21 @@ def _report(result: dict, as_json: bool) -> None:
               help="speculate even where the target alone is predicted faster at --mem [default: run it alone]")
 @click.option("--tuned/--untuned", default=True, show_default=True,
               help="stream by the plan `plan --tune` made for this model, budget and -c/-b, where there is one")
+@click.option("--rpc", "rpc", metavar="HOST:PORT,...",
+              help="RPC servers (ggml-rpc-server) holding the tensors a plan places on them (--plan)")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object instead of text and timings")
 @click.option("-v", "--verbose", is_flag=True, help="show llama.cpp's log")
 @_errors_as_one_line
 def run(model_spec, prompt, prompt_file, n_predict, ctx_size, batch_size, threads, temp, seed, mem, enforce,
         strategy, policy, plan_dir, window, io_threads, draft_spec, draft_max, draft_p_split, spec_mode, no_pacer,
-        no_adaptive, no_adaptive_split, pipeline, draft_always, tuned, as_json, verbose):
+        no_adaptive, no_adaptive_split, pipeline, draft_always, tuned, rpc, as_json, verbose):
     """Generate text from a prompt (with -md: speculation by a resident draft model)."""
     from . import api
 
     request = request_from_flags(model_spec, prompt, prompt_file, n_predict, ctx_size, batch_size, threads, temp,
                                  seed, mem, strategy, policy, plan_dir, window, io_threads, draft_spec, draft_max,
                                  draft_p_split, spec_mode, no_pacer, no_adaptive, no_adaptive_split, pipeline,
-                                 draft_always, tuned, verbose)
+                                 draft_always, tuned, verbose, rpc)
     on_text = None if as_json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
     result = api.generate(request, on_text, enforce=enforce, echo=lambda msg: click.echo(msg, err=True))
     _report(result, as_json)
@@ -130,7 +132,8 @@ def run(model_spec, prompt, prompt_file, n_predict, ctx_size, batch_size, thread
 
 def request_from_flags(model_spec, prompt, prompt_file, n_predict, ctx_size, batch_size, threads, temp, seed, mem,
                        strategy, policy, plan_dir, window, io_threads, draft_spec, draft_max, draft_p_split,
-                       spec_mode, no_pacer, no_adaptive, no_adaptive_split, pipeline, draft_always, tuned, verbose):
+                       spec_mode, no_pacer, no_adaptive, no_adaptive_split, pipeline, draft_always, tuned, verbose,
+                       rpc=None):
     """api.Request from `run`'s flags (the prompt read from -f as llama.cpp reads it)."""
     from . import api
 
@@ -140,7 +143,7 @@ def request_from_flags(model_spec, prompt, prompt_file, n_predict, ctx_size, bat
         plan_dir=plan_dir, window=window, io_threads=io_threads, draft=draft_spec, draft_max=draft_max,
         draft_p_split=draft_p_split, spec=spec_mode, pacer=not no_pacer, adaptive=not no_adaptive,
         adaptive_split=not no_adaptive_split, pipeline=pipeline, draft_always=draft_always, tuned=tuned,
-        verbose=verbose)
+        verbose=verbose, rpc=rpc)
 
 
 def request_from_args(args: list[str]):
@@ -305,6 +308,31 @@ def info(model_spec, as_json):
             click.echo(f"{kind:<28} {format_size(n):>12}")
     click.echo(f"total: {len(model.tensors)} tensors, {format_size(model.weight_bytes)} of weights, "
                f"file {format_size(model.file_size)}")
+
+
+# --- devices ----------------------------------------------------------------------------------
+
+@main.command()
+@click.option("--rpc", "rpc", metavar="HOST:PORT,...", help="RPC servers (ggml-rpc-server) to ask as well")
+@click.option("--json", "as_json", is_flag=True, help="print the devices as JSON")
+@_errors_as_one_line
+def devices(rpc, as_json):
+    """The backends a plan can place tensors on, with their memory: this machine's, and RPC servers'."""
+    from . import devices as backends
+
+    found = backends.local()
+    for endpoint in backends.parse_endpoints(rpc) if rpc else []:
+        found += backends.probe_rpc(endpoint)
+    if as_json:
+        click.echo(json.dumps([d.to_dict() for d in found]))
+        return
+    click.echo(f"{'device':<28} {'kind':<6} {'free':>10} {'total':>10}  description")
+    for d in found:
+        click.echo(f"{d.name:<28} {d.kind:<6} {format_size(d.free):>10} {format_size(d.total):>10}  {d.description}")
+        for buft in d.buffer_types:
+            click.echo(f"  buffer type {buft} (weights repacked for its kernels: in host memory)")
+    if any(d.kind == "RPC" for d in found):
+        click.echo("(an RPC server reports its machine's memory, not a cgroup's: give --mem per device)", err=True)
 
 
 # --- models -----------------------------------------------------------------------------------

@@ -38,6 +38,8 @@ class Settings:
     chunk_bytes: int = CHUNK_BYTES  # streamed tensors larger than this are read in row chunks
     n_outputs: int = 1  # logits rows one forward pass returns (a speculation tree needs one per node)
     n_seq_max: int = 1  # sequences in the KV cache (a speculation tree: one per branch, in one unified cache)
+    rpc: tuple[str, ...] = ()  # RPC servers (HOST:PORT) whose devices tensors may be placed on
+    placed_patterns: tuple[tuple[str, str], ...] = ()  # (regex, buffer type name) of tensors on another device
     verbose: bool = False
 
 
@@ -203,6 +205,19 @@ class Engine:
         mparams = lib.llama_model_default_params()
         # no repacking: under mmap it doubles memory, and it changes the kernels, so greedy output would differ
         mparams.use_extra_bufts = False
+        overrides = []
+        if settings.rpc:
+            from . import devices
+
+            handles = devices.register_rpc(list(settings.rpc))
+            self._devices = (ctypes.c_void_p * (len(handles) + 1))(*handles, None)
+            mparams.devices = ctypes.cast(self._devices, ctypes.c_void_p)
+            # every layer stays on the CPU (llama.cpp would offload them all to the RPC devices): the plan places
+            # tensors one by one, by override
+            mparams.n_gpu_layers = 0
+            overrides += [(p.encode(), devices.buffer_type(b)) for p, b in settings.placed_patterns]
+        elif settings.placed_patterns:
+            raise FlexoffloadError("the plan places tensors on other devices: give their servers with --rpc")
         if settings.strategy == "mmap":
             mparams.load_mode = lib.LLAMA_LOAD_MODE_MMAP
         else:  # resident tensors read once into memory and locked there; streamed ones read by the prefetch threads
@@ -215,8 +230,9 @@ class Engine:
             mparams.load_mode = lib.LLAMA_LOAD_MODE_MLOCK
             stream.configure(settings.window, settings.io_threads, chunk_bytes=settings.chunk_bytes)
             buft = stream.buffer_type()
-            patterns = [p.encode() for p in settings.streamed_patterns]
-            self._overrides = (_Override * (len(patterns) + 1))(*[(p, buft) for p in patterns], (None, None))
+            overrides = [(p.encode(), buft) for p in settings.streamed_patterns] + overrides
+        if overrides:
+            self._overrides = (_Override * (len(overrides) + 1))(*overrides, (None, None))
             mparams.tensor_buft_overrides = ctypes.cast(self._overrides, ctypes.c_void_p)
         self.model = lib.llama_model_load_from_file(str(model_path).encode(), mparams)
         if not self.model:

@@ -8,7 +8,10 @@ r"""A plan: which tensors stay resident and which stream, the memory it takes, t
   also take blk.1.ffn_up_shexp.weight, and an unescaped dot matches any character). One line covers a kind
   across layers (`^blk\.(0|1|2)\.ffn_up\.weight$`, or `\d+` when it streams in every layer), and kinds streamed
   in the same layers share a line. Patterns hold no ',' or '=': the -ot parser splits on them.
-- plan.json: everything, human readable (the streamed list too, so `read` can check tensors.ot against it).
+  A tensor placed on another device (an RPC server, a GPU) gets a line `regex=BUFT` with that device's buffer type
+  name as llama.cpp registers it (`RPC0[10.0.0.2:50052]`, `CUDA0`), written the same way.
+- plan.json: everything, human readable (the streamed and placed lists too, so `read` can check tensors.ot against
+  them).
 """
 
 from __future__ import annotations
@@ -64,11 +67,13 @@ class Plan:
     roofline_tok_s: float
     profile: Profile | None = None  # the profile the prediction used
     tuning: tuple = ()  # plan --tune: every candidate's policy, window, predicted and measured tok/s (tune.py)
+    placed: tuple[tuple[str, str], ...] = ()  # (resident tensor, buffer type) for those on another device
 
     def to_dict(self) -> dict:
         d = asdict(self)
         d["memory"]["total"] = self.memory.total
         d["resident"], d["streamed"] = list(self.resident), list(self.streamed)
+        d["placed"] = [list(p) for p in self.placed]
         d["profile"] = self.profile.to_dict() if self.profile else None
         d["tuning"] = [dict(t) for t in self.tuning]
         return d
@@ -78,7 +83,8 @@ class Plan:
         memory = {k: v for k, v in d["memory"].items() if k != "total"}
         profile = Profile.from_dict(d["profile"]) if d.get("profile") else None
         return cls(**{**d, "memory": Memory(**memory), "resident": tuple(d["resident"]),
-                      "streamed": tuple(d["streamed"]), "profile": profile, "tuning": tuple(d.get("tuning", ()))})
+                      "streamed": tuple(d["streamed"]), "profile": profile, "tuning": tuple(d.get("tuning", ())),
+                      "placed": tuple(tuple(p) for p in d.get("placed", ()))})
 
 
 def streamed_bytes(plan: Plan, model) -> int:
@@ -138,12 +144,20 @@ def override_patterns(streamed: list[str], names: list[str]) -> list[str]:
     return patterns
 
 
+def overrides(plan: Plan) -> list[tuple[str, str]]:
+    """(pattern, buffer type) for the plan's streamed tensors, then for those placed on each device."""
+    names = list(plan.resident) + list(plan.streamed)
+    pairs = [(p, STREAMED_BUFT) for p in override_patterns(list(plan.streamed), names)]
+    for buft in dict.fromkeys(b for _, b in plan.placed):  # devices in the order first placed
+        pairs += [(p, buft) for p in override_patterns([n for n, b in plan.placed if b == buft], names)]
+    return pairs
+
+
 def write(plan: Plan, directory: str | os.PathLike) -> Path:
     """Write tensors.ot and plan.json into directory (made if missing); returns the directory."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    patterns = override_patterns(list(plan.streamed), list(plan.resident) + list(plan.streamed))
-    (directory / OVERRIDES_FILE).write_text("".join(f"{p}={STREAMED_BUFT}\n" for p in patterns))
+    (directory / OVERRIDES_FILE).write_text("".join(f"{p}={b}\n" for p, b in overrides(plan)))
     (directory / PLAN_FILE).write_text(json.dumps(plan.to_dict(), indent=1) + "\n")
     return directory
 
@@ -160,11 +174,18 @@ def read_overrides(path: str | os.PathLike) -> list[tuple[str, str]]:
     return pairs
 
 
-def streamed_by(overrides: list[tuple[str, str]], names: list[str]) -> list[str]:
-    """The names an override list sends to the streamed buffer type, matched as llama.cpp does (regex_search,
+def buffer_types_by(pairs: list[tuple[str, str]], names: list[str]) -> dict[str, str]:
+    """The buffer type an override list gives each name it matches, matched as llama.cpp does (regex_search,
     first matching pattern wins)."""
-    compiled = [(re.compile(p), b) for p, b in overrides]
-    return [n for n in names if next((b for p, b in compiled if p.search(n)), None) == STREAMED_BUFT]
+    compiled = [(re.compile(p), b) for p, b in pairs]
+    found = {n: next((b for p, b in compiled if p.search(n)), None) for n in names}
+    return {n: b for n, b in found.items() if b is not None}
+
+
+def streamed_by(pairs: list[tuple[str, str]], names: list[str]) -> list[str]:
+    """The names an override list sends to the streamed buffer type."""
+    bufts = buffer_types_by(pairs, names)
+    return [n for n in names if bufts.get(n) == STREAMED_BUFT]
 
 
 def check_fits(plan: Plan, model, budget: int | None, directory) -> None:
@@ -187,12 +208,15 @@ def read(directory: str | os.PathLike) -> Plan:
     directory = Path(directory)
     try:
         plan = Plan.from_dict(json.loads((directory / PLAN_FILE).read_text()))
-        overrides = read_overrides(directory / OVERRIDES_FILE)
+        pairs = read_overrides(directory / OVERRIDES_FILE)
     except FileNotFoundError as e:
         raise FlexoffloadError(f"not a plan directory ({e.filename} missing): {directory}") from None
     except (json.JSONDecodeError, KeyError, TypeError) as e:
         raise FlexoffloadError(f"damaged {PLAN_FILE} in {directory}: {e}") from None
-    if streamed_by(overrides, list(plan.resident) + list(plan.streamed)) != [
-            n for n in list(plan.resident) + list(plan.streamed) if n in set(plan.streamed)]:
+    names = list(plan.resident) + list(plan.streamed)
+    if streamed_by(pairs, names) != [n for n in names if n in set(plan.streamed)]:
         raise FlexoffloadError(f"{directory / OVERRIDES_FILE} does not stream exactly the plan's streamed tensors")
+    placed = {n: b for n, b in buffer_types_by(pairs, names).items() if b != STREAMED_BUFT}
+    if placed != dict(plan.placed):
+        raise FlexoffloadError(f"{directory / OVERRIDES_FILE} does not place exactly the plan's placed tensors")
     return plan

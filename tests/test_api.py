@@ -11,7 +11,8 @@ from flexoffload.cli import request_from_args
 
 
 def test_generate_in_process_and_enforced_give_the_same_tokens(tiny_model):
-    request = api.Request(model=str(tiny_model), prompt="a b c", n_predict=8, temp=0, mem="300M", n_ctx=256)
+    request = api.Request(model=str(tiny_model), prompt="a b c", n_predict=8, temp=0, mem="300M", n_ctx=256,
+                          strategy="stream")
     pieces = []
     alone = api.generate(request, on_text=pieces.append)
     assert alone["strategy"] == "stream" and not alone["enforced"] and "".join(pieces) == alone["text"]
@@ -41,10 +42,10 @@ def test_bad_requests_are_refused_before_loading(tiny_model, field, value, words
         api.prepare(request)
 
 
-def test_mmap_runs_where_the_cost_model_predicts_it_faster(tmp_path, monkeypatch):
-    """A budget whose page cache holds the model, and a plan that streams anyway (the balanced policy replaced by
-    one that streams everything): mmap is predicted faster, so a run without --strategy says so and runs mmap; an
-    explicit --strategy stream streams; the balanced plan itself streams nothing there, so it runs as planned."""
+def test_mmap_runs_where_the_cost_model_predicts_it_as_fast(tmp_path, monkeypatch):
+    """A budget whose page cache holds the model: mmap is predicted compute-bound, so a run without --strategy says
+    so and runs mmap (a plan that streams everything all the more); --strategy stream streams; a budget whose cache
+    cannot hold it streams."""
     from flexoffload import plan as plans
     from flexoffload import planners, synth
     from flexoffload.model import load
@@ -52,13 +53,18 @@ def test_mmap_runs_where_the_cost_model_predicts_it_faster(tmp_path, monkeypatch
     shape = synth.Shape(n_layer=4, n_embd=512, n_ff=1536, n_head=8, n_head_kv=2, n_vocab=1024, n_ctx_train=512)
     path = synth.write(tmp_path / "four.gguf", shape, "F32")
     request = api.Request(model=str(path), prompt="a b c", n_predict=4, temp=0, mem="4x", n_ctx=256, n_batch=64)
-    balanced = api.prepare(request)
-    assert balanced.request.strategy == "stream" and not balanced.notes and balanced.plan is not None
-    assert plans.streamed_bytes(balanced.plan, load(path)) == 0
+    roomy = api.prepare(request)
+    assert roomy.request.strategy == "mmap" and roomy.plan is None and "predicted as fast" in roomy.notes[0]
     monkeypatch.setitem(planners.POLICIES, "balanced", planners.POLICIES["none"])
     switched = api.prepare(request)
     assert switched.request.strategy == "mmap" and switched.plan is None
-    assert "mmap is predicted faster" in switched.notes[0]
+    monkeypatch.undo()
+    from flexoffload import budget as budgets
+
+    half = budgets.holding(load(path), load(path).weight_bytes // 2, 256, 64)
+    small = api.prepare(api.Request(**{**asdict(request), "mem": str(half)}))
+    assert small.request.strategy == "stream" and not small.notes
+    assert plans.streamed_bytes(small.plan, load(path)) > 0
     assert api.prepare(api.Request(**{**asdict(request), "strategy": "stream"})).request.strategy == "stream"
     assert api.generate(request)["tokens"] == api.generate(api.Request(**{**asdict(request), "strategy": "stream"}))[
         "tokens"]

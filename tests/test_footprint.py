@@ -68,7 +68,7 @@ def test_the_plan_predicts_what_the_run_cannot_give_back(tmp_path, shape):
     floor = planners.run_minimum(m, 512, 64)
     for budget in (floor, floor + m.weight_bytes // 2):
         request = api.Request(model=str(path), prompt=DEFAULT_PROMPT * 2, n_predict=8, n_ctx=512, n_batch=64,
-                              temp=0, mem=str(budget))
+                              temp=0, mem=str(budget), strategy="stream")
         prepared = api.prepare(request)
         predicted = prepared.plan.memory.unreclaimable
         measured = api.run_in_cgroup(prepared, budget + (512 << 20), timeout=300)["peak_unreclaimable_mb"] * (1 << 20)

@@ -34,7 +34,7 @@ def test_tune_measures_the_candidates_keeps_the_fastest_and_run_uses_it(tmp_path
         assert (tuned["plan"]["policy"], tuned["plan"]["window"]) == (best["policy"], best["window"])
     assert tuned["tokens"] == untuned["tokens"]
     other = json.loads(cli("run", "-m", str(path), "-p", "a b c", "-n", "4", "--temp", "0", "-c", "256",
-                           "--mem", str(mem), "--json", check=True).stdout)
+                           "--mem", str(mem), "--strategy", "stream", "--json", check=True).stdout)
     assert other["plan"]["policy"] == "balanced"  # tuned for -c 512, not 256
 
 

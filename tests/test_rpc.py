@@ -1,0 +1,155 @@
+"""Backends and RPC machines (devices.py, rpc.py): devices listed, servers probed before llama.cpp meets them,
+tensors placed on a server by a plan and computed there with the same greedy tokens, faults as one-line errors."""
+
+import dataclasses
+import json
+import socket
+import subprocess
+import threading
+import time
+
+import pytest
+
+from conftest import cli
+from flexoffload import FlexoffloadError, api, devices, rpc, synth
+from flexoffload import plan as plans
+from flexoffload.model import load
+
+
+def test_this_machine_has_a_cpu_device_with_its_memory():
+    found = devices.local()
+    cpu = next(d for d in found if d.kind == "CPU")
+    assert cpu.name == "CPU" and 0 < cpu.free <= cpu.total
+    listed = json.loads(cli("devices", "--json", check=True).stdout)
+    assert [d["name"] for d in listed] == [d.name for d in found]
+
+
+@pytest.mark.parametrize("text,endpoints", [("a:1,b", ["a:1", "b:50052"]), (" 10.0.0.2:50052 ", ["10.0.0.2:50052"])])
+def test_endpoints_are_read_as_llama_cpp_takes_them(text, endpoints):
+    assert devices.parse_endpoints(text) == endpoints
+
+
+@pytest.mark.parametrize("text", ["a:b", "a:0", ",", "a:70000"])
+def test_a_bad_endpoint_is_one_error(text):
+    with pytest.raises(FlexoffloadError):
+        devices.parse_endpoints(text)
+
+
+def _serve(handler) -> tuple[str, socket.socket]:
+    """A local TCP server answering each connection with handler(conn), in a thread."""
+    server = socket.create_server(("127.0.0.1", 0))
+
+    def loop():
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return
+            handler(conn)
+
+    threading.Thread(target=loop, daemon=True).start()
+    return f"127.0.0.1:{server.getsockname()[1]}", server
+
+
+def _closed_port() -> str:
+    s = socket.create_server(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return f"127.0.0.1:{port}"
+
+
+def test_servers_that_cannot_serve_are_named_in_one_line(tiny_model):
+    """Refused, not speaking the protocol, silent: each a one-line error naming the server, within the probe's
+    timeout, from `run` before anything is loaded (llama.cpp itself would abort the process)."""
+    with pytest.raises(FlexoffloadError, match="refused"):
+        devices.probe_rpc(_closed_port())
+    http, s1 = _serve(lambda c: (c.sendall(b"HTTP/1.1 400 Bad Request\r\n\r\n"), c.close()))
+    with pytest.raises(FlexoffloadError, match="did not answer as ggml-rpc-server"):
+        devices.probe_rpc(http)
+    held = []
+    silent, s2 = _serve(held.append)  # accepts and never answers
+    t0 = time.monotonic()
+    with pytest.raises(FlexoffloadError, match="did not answer within"):
+        devices.probe_rpc(silent, timeout=0.5)
+    assert time.monotonic() - t0 < 3
+    r = cli("run", "-m", str(tiny_model), "-p", "x", "-n", "1", "--rpc", http)
+    assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1 and http in r.stderr
+    s1.close(), s2.close()
+
+
+def test_a_plan_round_trips_its_placed_tensors(tmp_path, tiny_model):
+    m = load(tiny_model)
+    names = [t.name for t in m.tensors]
+    layer1 = [n for n in names if n.startswith("blk.1.")]
+    p = plans.Plan(model=str(tiny_model), policy="hand", budget=1 << 30,
+                   memory=plans.Memory(resident=m.weight_bytes, window=0, kv_cache=0, compute=0, overhead=0),
+                   resident=tuple(names), streamed=(), window=0, io_threads=1, predicted_tok_s=0, roofline_tok_s=0,
+                   placed=tuple((n, "RPC0[10.77.0.2:50052]") for n in layer1))
+    plans.write(p, tmp_path / "p")
+    assert (tmp_path / "p" / "tensors.ot").read_text().endswith("=RPC0[10.77.0.2:50052]\n")
+    assert plans.read(tmp_path / "p") == p
+    # a tensors.ot that places other tensors than plan.json says is refused
+    (tmp_path / "p" / "tensors.ot").write_text("^blk\\.0\\..*$=RPC0[10.77.0.2:50052]\n")
+    with pytest.raises(FlexoffloadError, match="does not place exactly"):
+        plans.read(tmp_path / "p")
+    # a placed plan without its servers is refused before loading
+    plans.write(p, tmp_path / "p")
+    with pytest.raises(FlexoffloadError, match="give their servers with --rpc"):
+        api.prepare(api.Request(model=str(tiny_model), prompt="x", plan_dir=str(tmp_path / "p")))
+
+
+# --- with llama.cpp's ggml-rpc-server, on machines of their own (network namespaces, cgroups) --------------------
+
+def _placed_plan(model_path, directory, endpoint, layers):
+    """All resident, the weights of the given layers placed on the server."""
+    m = load(model_path)
+    names = [t.name for t in m.tensors]
+    placed = tuple((t.name, f"RPC0[{endpoint}]") for t in m.tensors if t.layer in layers)
+    p = plans.Plan(model=str(model_path), policy="hand", budget=4 * m.file_size + (1 << 30),
+                   memory=plans.Memory(resident=m.weight_bytes, window=0, kv_cache=0, compute=0, overhead=0),
+                   resident=tuple(names), streamed=(), window=0, io_threads=1, predicted_tok_s=0, roofline_tok_s=0,
+                   placed=placed)
+    return plans.write(p, directory)
+
+
+@pytest.fixture
+def one_machine():
+    with rpc.Machines(1, memory=512 << 20, rate="1gbit") as machines:
+        yield machines
+    assert not [n for n in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+                if n.startswith(rpc.PREFIX)], "a namespace was left behind"
+
+
+def test_tensors_placed_on_an_rpc_machine_give_the_same_tokens(tmp_path, one_machine):
+    path = synth.write(tmp_path / "qwen2.gguf", synth.SHAPES["qwen2-tiny"])
+    endpoint = one_machine.endpoints[0]
+    server = devices.probe_rpc(endpoint)
+    assert server[0].name == f"RPC0[{endpoint}]" and server[0].total > 0
+    listed = cli("devices", "--rpc", endpoint, check=True).stdout
+    assert f"RPC0[{endpoint}]" in listed
+    plan_dir = _placed_plan(path, tmp_path / "plan", endpoint, layers={1, 2})
+    request = api.Request(model=str(path), prompt="a b c d", n_predict=12, temp=0, n_ctx=256, n_batch=32)
+    alone = api.generate(dataclasses.replace(request, strategy="mmap"))
+    placed = api.generate(dataclasses.replace(request, plan_dir=str(plan_dir), rpc=endpoint))
+    assert placed["tokens"] == alone["tokens"]
+    assert max(one_machine.peaks()) > 0
+
+
+def test_a_server_killed_mid_run_ends_the_run_with_one_error(tmp_path, one_machine):
+    """Killed once the text has begun: the run ends within seconds with one line naming the servers, no hang."""
+    import os
+    import sys
+
+    path = synth.write(tmp_path / "qwen2.gguf", synth.SHAPES["qwen2-tiny"])
+    endpoint = one_machine.endpoints[0]
+    plan_dir = _placed_plan(path, tmp_path / "plan", endpoint, layers={0, 1, 2})
+    proc = subprocess.Popen([sys.executable, "-m", "flexoffload", "run", "-m", str(path), "-p", "a b c", "-n", "480",
+                             "-c", "512", "--temp", "0", "--plan", str(plan_dir), "--rpc", endpoint],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert proc.stdout.read(1), "no text came"
+    t0 = time.monotonic()
+    one_machine.kill(0)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1, err
+    assert "stopped answering" in err.decode().strip().splitlines()[-1]
+    assert time.monotonic() - t0 < 30
