@@ -173,7 +173,7 @@ def write_markdown(csv_path: Path) -> None:
             continue
         stream = r["stream_tok_s"] or ("killed" if r["killed"] == "True" else f"failed: {r['error']}")
         if r["strategy"] and r["strategy"] != "stream":
-            stream += f" ({r['strategy']}: predicted faster)"
+            stream += f" ({r['strategy']}, chosen: predicted as fast)"
         mmap = r["mmap_tok_s"] or f"failed: {r['mmap_error']}"
         predicted, measured = r["predicted_unreclaimable_mb"], r["unreclaimable_mb"]
         ratio = f"{int(predicted) / int(measured):.3f}" if predicted and measured else ""
