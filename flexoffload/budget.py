@@ -100,13 +100,18 @@ def check(model, budget: int, n_ctx: int, n_batch: int) -> None:
             f"the minimum is {format_size(need, up=True)}")
 
 
-def peak_rss() -> int:
-    """This process's peak resident set (VmHWM), in bytes: the peak when no cgroup measures it."""
+def status_bytes(field: str) -> int:
+    """A size field of this process's /proc/self/status (VmHWM, RssAnon, ...), in bytes; 0 where there is none."""
     with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith("VmHWM:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
     return 0
+
+
+def peak_rss() -> int:
+    """This process's peak resident set (VmHWM), in bytes: the peak when no cgroup measures it."""
+    return status_bytes("VmHWM")
 
 
 def drop_page_cache() -> bool:

@@ -106,11 +106,9 @@ def smallest_budget(need: int) -> int:
 
 def _anonymous() -> int:
     """This process's resident anonymous memory (RssAnon)."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("RssAnon:"):
-                return int(line.split()[1]) * 1024
-    return 0
+    from .budget import status_bytes
+
+    return status_bytes("RssAnon")
 
 
 def _code(model_path: str) -> int:
