@@ -60,6 +60,7 @@ class Request:
     pipeline: bool = False
     draft_always: bool = False  # speculate even where the target alone is predicted faster
     rpc: str | None = None  # RPC servers (HOST:PORT,...) the plan places tensors on
+    n_gpu_layers: int = 0  # with rpc: the last layers offloaded to the servers' devices, as llama.cpp's -ngl
     tuned: bool = True  # stream by a plan --tune made for this model, budget and machine, where there is one
     verbose: bool = False
 
@@ -96,6 +97,10 @@ def _check(r: Request) -> None:
         devices.parse_endpoints(r.rpc)
         if r.draft:
             raise FlexoffloadError("--rpc and -md: speculation runs on this machine only, for now")
+    if r.n_gpu_layers and not r.rpc:
+        raise FlexoffloadError("-ngl offloads layers to RPC servers here (this build has no GPU): add --rpc")
+    if r.n_gpu_layers < 0:
+        raise FlexoffloadError("-ngl must be at least 0")
 
 
 def plan_for_run(model, r: Request, limit: int | None, n_outputs: int = 1, n_seq_max: int = 1, draft: int = 0):
@@ -237,7 +242,7 @@ def run_prepared(p: Prepared, on_text=None) -> dict:
         strategy=r.strategy,
         streamed_patterns=tuple(plans.override_patterns(list(plan.streamed), names)) if plan else (),
         placed_patterns=tuple((p, b) for p, b in plans.overrides(plan) if b != plans.STREAMED_BUFT) if plan else (),
-        rpc=tuple(devices.parse_endpoints(r.rpc)) if r.rpc else (),
+        rpc=tuple(devices.parse_endpoints(r.rpc)) if r.rpc else (), n_gpu_layers=r.n_gpu_layers,
         window=(r.window if r.window is not None else plan.window) if plan else 0,
         io_threads=r.io_threads or (plan.io_threads if plan else IO_THREADS), verbose=r.verbose)
     if p.draft_model is not None:

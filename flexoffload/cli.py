@@ -112,19 +112,21 @@ def _report(result: dict, as_json: bool) -> None:
               help="stream by the plan `plan --tune` made for this model, budget and -c/-b, where there is one")
 @click.option("--rpc", "rpc", metavar="HOST:PORT,...",
               help="RPC servers (ggml-rpc-server) holding the tensors a plan places on them (--plan)")
+@click.option("-ngl", "--n-gpu-layers", "n_gpu_layers", default=0, show_default=True,
+              help="with --rpc: the last layers to offload to the servers, each with its KV cache (llama.cpp's -ngl)")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object instead of text and timings")
 @click.option("-v", "--verbose", is_flag=True, help="show llama.cpp's log")
 @_errors_as_one_line
 def run(model_spec, prompt, prompt_file, n_predict, ctx_size, batch_size, threads, temp, seed, mem, enforce,
         strategy, policy, plan_dir, window, io_threads, draft_spec, draft_max, draft_p_split, spec_mode, no_pacer,
-        no_adaptive, no_adaptive_split, pipeline, draft_always, tuned, rpc, as_json, verbose):
+        no_adaptive, no_adaptive_split, pipeline, draft_always, tuned, rpc, n_gpu_layers, as_json, verbose):
     """Generate text from a prompt (with -md: speculation by a resident draft model)."""
     from . import api
 
     request = request_from_flags(model_spec, prompt, prompt_file, n_predict, ctx_size, batch_size, threads, temp,
                                  seed, mem, strategy, policy, plan_dir, window, io_threads, draft_spec, draft_max,
                                  draft_p_split, spec_mode, no_pacer, no_adaptive, no_adaptive_split, pipeline,
-                                 draft_always, tuned, verbose, rpc)
+                                 draft_always, tuned, verbose, rpc, n_gpu_layers)
     on_text = None if as_json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
     result = api.generate(request, on_text, enforce=enforce, echo=lambda msg: click.echo(msg, err=True))
     _report(result, as_json)
@@ -133,7 +135,7 @@ def run(model_spec, prompt, prompt_file, n_predict, ctx_size, batch_size, thread
 def request_from_flags(model_spec, prompt, prompt_file, n_predict, ctx_size, batch_size, threads, temp, seed, mem,
                        strategy, policy, plan_dir, window, io_threads, draft_spec, draft_max, draft_p_split,
                        spec_mode, no_pacer, no_adaptive, no_adaptive_split, pipeline, draft_always, tuned, verbose,
-                       rpc=None):
+                       rpc=None, n_gpu_layers=0):
     """api.Request from `run`'s flags (the prompt read from -f as llama.cpp reads it)."""
     from . import api
 
@@ -143,7 +145,7 @@ def request_from_flags(model_spec, prompt, prompt_file, n_predict, ctx_size, bat
         plan_dir=plan_dir, window=window, io_threads=io_threads, draft=draft_spec, draft_max=draft_max,
         draft_p_split=draft_p_split, spec=spec_mode, pacer=not no_pacer, adaptive=not no_adaptive,
         adaptive_split=not no_adaptive_split, pipeline=pipeline, draft_always=draft_always, tuned=tuned,
-        verbose=verbose, rpc=rpc)
+        verbose=verbose, rpc=rpc, n_gpu_layers=n_gpu_layers)
 
 
 def request_from_args(args: list[str]):

@@ -39,6 +39,7 @@ class Settings:
     n_outputs: int = 1  # logits rows one forward pass returns (a speculation tree needs one per node)
     n_seq_max: int = 1  # sequences in the KV cache (a speculation tree: one per branch, in one unified cache)
     rpc: tuple[str, ...] = ()  # RPC servers (HOST:PORT) whose devices tensors may be placed on
+    n_gpu_layers: int = 0  # with rpc: the last layers llama.cpp offloads to those devices, KV cache with them (-ngl)
     placed_patterns: tuple[tuple[str, str], ...] = ()  # (regex, buffer type name) of tensors on another device
     verbose: bool = False
 
@@ -212,9 +213,10 @@ class Engine:
             handles = devices.register_rpc(list(settings.rpc))
             self._devices = (ctypes.c_void_p * (len(handles) + 1))(*handles, None)
             mparams.devices = ctypes.cast(self._devices, ctypes.c_void_p)
-            # every layer stays on the CPU (llama.cpp would offload them all to the RPC devices): the plan places
-            # tensors one by one, by override
-            mparams.n_gpu_layers = 0
+            # the last n_gpu_layers layers go to the devices, split as upstream splits them (in proportion to their
+            # free memory), each with its KV cache; llama.cpp's default would offload them all. The rest stay on
+            # the CPU, where the plan may still place tensors one by one, by override
+            mparams.n_gpu_layers = settings.n_gpu_layers
             overrides += [(p.encode(), devices.buffer_type(b)) for p, b in settings.placed_patterns]
         elif settings.placed_patterns:
             raise FlexoffloadError("the plan places tensors on other devices: give their servers with --rpc")

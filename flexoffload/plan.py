@@ -67,7 +67,8 @@ class Plan:
     roofline_tok_s: float
     profile: Profile | None = None  # the profile the prediction used
     tuning: tuple = ()  # plan --tune: every candidate's policy, window, predicted and measured tok/s (tune.py)
-    placed: tuple[tuple[str, str], ...] = ()  # (resident tensor, buffer type) for those on another device
+    placed: tuple[tuple[str, str], ...] = ()  # (resident tensor, buffer type) for those on another device (their
+    # bytes are not in memory.resident: that is this machine's)
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -193,8 +194,10 @@ def check_fits(plan: Plan, model, budget: int | None, directory) -> None:
     from .budget import format_size
 
     sizes = {t.name: t.n_bytes for t in model.tensors}
-    # an mmap plan (plan --tune measured mmap fastest) holds no weights of its own: its resident bytes are 0
-    resident = 0 if plan.policy == "mmap" else sum(sizes.get(n, 0) for n in plan.resident)
+    # an mmap plan (plan --tune measured mmap fastest) holds no weights of its own: its resident bytes are 0; the
+    # bytes of tensors placed on another device are that device's, not this machine's
+    placed = {n for n, _ in plan.placed}
+    resident = 0 if plan.policy == "mmap" else sum(sizes.get(n, 0) for n in plan.resident if n not in placed)
     if set(plan.resident) | set(plan.streamed) != set(sizes) or resident != plan.memory.resident:
         raise FlexoffloadError(f"the plan in {directory} was made for another model ({Path(plan.model).name}), "
                                f"not {model.path.name}")

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from conftest import cli
-from flexoffload import FlexoffloadError, api, devices, rpc, synth
+from flexoffload import FlexoffloadError, api, devices, placement, rpc, synth
 from flexoffload import plan as plans
 from flexoffload.model import load
 
@@ -79,12 +79,9 @@ def test_servers_that_cannot_serve_are_named_in_one_line(tiny_model):
 
 def test_a_plan_round_trips_its_placed_tensors(tmp_path, tiny_model):
     m = load(tiny_model)
-    names = [t.name for t in m.tensors]
-    layer1 = [n for n in names if n.startswith("blk.1.")]
-    p = plans.Plan(model=str(tiny_model), policy="hand", budget=1 << 30,
-                   memory=plans.Memory(resident=m.weight_bytes, window=0, kv_cache=0, compute=0, overhead=0),
-                   resident=tuple(names), streamed=(), window=0, io_threads=1, predicted_tok_s=0, roofline_tok_s=0,
-                   placed=tuple((n, "RPC0[10.77.0.2:50052]") for n in layer1))
+    p = placement.layers_on(m, {1}, "RPC0[10.77.0.2:50052]")
+    assert {n for n, _ in p.placed} == {t.name for t in m.tensors if t.layer == 1}
+    assert p.memory.resident == sum(t.n_bytes for t in m.tensors if t.layer != 1)  # this machine's share
     plans.write(p, tmp_path / "p")
     assert (tmp_path / "p" / "tensors.ot").read_text().endswith("=RPC0[10.77.0.2:50052]\n")
     assert plans.read(tmp_path / "p") == p
@@ -102,14 +99,7 @@ def test_a_plan_round_trips_its_placed_tensors(tmp_path, tiny_model):
 
 def _placed_plan(model_path, directory, endpoint, layers):
     """All resident, the weights of the given layers placed on the server."""
-    m = load(model_path)
-    names = [t.name for t in m.tensors]
-    placed = tuple((t.name, f"RPC0[{endpoint}]") for t in m.tensors if t.layer in layers)
-    p = plans.Plan(model=str(model_path), policy="hand", budget=4 * m.file_size + (1 << 30),
-                   memory=plans.Memory(resident=m.weight_bytes, window=0, kv_cache=0, compute=0, overhead=0),
-                   resident=tuple(names), streamed=(), window=0, io_threads=1, predicted_tok_s=0, roofline_tok_s=0,
-                   placed=placed)
-    return plans.write(p, directory)
+    return plans.write(placement.layers_on(load(model_path), layers, f"RPC0[{endpoint}]"), directory)
 
 
 @pytest.fixture
@@ -133,6 +123,20 @@ def test_tensors_placed_on_an_rpc_machine_give_the_same_tokens(tmp_path, one_mac
     placed = api.generate(dataclasses.replace(request, plan_dir=str(plan_dir), rpc=endpoint))
     assert placed["tokens"] == alone["tokens"]
     assert max(one_machine.peaks()) > 0
+
+
+def test_layers_offloaded_with_their_kv_cache_give_the_same_tokens(tmp_path, one_machine, tiny_model):
+    """-ngl N with --rpc: llama.cpp's own offload of the last N layers, KV cache and all, to the server."""
+    path = synth.write(tmp_path / "qwen2.gguf", synth.SHAPES["qwen2-tiny"])
+    endpoint = one_machine.endpoints[0]
+    request = api.Request(model=str(path), prompt="a b c d", n_predict=12, temp=0, n_ctx=256, n_batch=32)
+    alone = api.generate(request)
+    before = one_machine.peaks()[0]
+    offloaded = api.generate(dataclasses.replace(request, rpc=endpoint, n_gpu_layers=2))
+    assert offloaded["tokens"] == alone["tokens"]
+    assert one_machine.peaks()[0] > before  # the layers' weights and KV cache went to the server
+    r = cli("run", "-m", str(tiny_model), "-p", "x", "-n", "1", "-ngl", "2")
+    assert r.returncode == 1 and "add --rpc" in r.stderr and len(r.stderr.strip().splitlines()) == 1
 
 
 def test_a_server_killed_mid_run_ends_the_run_with_one_error(tmp_path, one_machine):
