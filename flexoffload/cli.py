@@ -191,15 +191,21 @@ def bench(model_spec, mems, strategies, repetitions, n_predict, prompt, ctx_size
 @click.option("-m", "--model", "model_spec", metavar="MODEL", help=f"GGUF path or catalog name [default: {catalog.DEFAULT_MODEL}]")
 @click.option("-t", "--threads", default=os.cpu_count() or 1, show_default=True)
 @click.option("--remeasure", is_flag=True, help="measure again even if a profile is cached")
+@click.option("--ops", is_flag=True,
+              help="time every weight's operator (MUL_MAT, GET_ROWS) for a decoded token and a prompt ubatch")
+@click.option("-b", "--batch-size", default=64, show_default=True, help="with --ops: the prompt ubatch timed")
 @click.option("--json", "as_json", is_flag=True)
 @_errors_as_one_line
-def profile(model_spec, threads, remeasure, as_json):
+def profile(model_spec, threads, remeasure, ops, batch_size, as_json):
     """Measure disk bandwidth and compute speed for the cost model (cached per model file)."""
     from . import profile as profiler
     from .costmodel import compute_seconds
     from .model import load
 
     model = load(catalog.resolve(model_spec))
+    if ops:
+        _profile_ops(model, threads, batch_size, remeasure, as_json)
+        return
     p = profiler.measure(model, threads, remeasure=remeasure)
     tok_s = 1.0 / compute_seconds(model, p)
     if as_json:
@@ -310,6 +316,29 @@ def info(model_spec, as_json):
             click.echo(f"{kind:<28} {format_size(n):>12}")
     click.echo(f"total: {len(model.tensors)} tensors, {format_size(model.weight_bytes)} of weights, "
                f"file {format_size(model.file_size)}")
+
+
+def _profile_ops(model, threads: int, n_batch: int, remeasure: bool, as_json: bool) -> None:
+    """`profile --ops`: the operator table, by kind (summed over the layers) and in all."""
+    from . import opprofile
+
+    p = opprofile.cached(model, threads, n_batch, remeasure)
+    if as_json:
+        click.echo(json.dumps(p.to_dict()))
+        return
+    kinds = {t.name: t.kind for t in model.tensors}
+    decode, prompt = {}, {}
+    for name, seconds in p.decode.items():
+        decode[kinds.get(name, "?")] = decode.get(kinds.get(name, "?"), 0.0) + seconds
+        prompt[kinds.get(name, "?")] = prompt.get(kinds.get(name, "?"), 0.0) + p.prompt.get(name, 0.0)
+    click.echo(f"{model.path.name}: the CPU backend's operators, {threads} threads (ms; a ubatch of {p.n_batch})")
+    click.echo(f"{'kind':<14} {'decode':>10} {'ubatch':>10}")
+    for kind in sorted(decode, key=decode.get, reverse=True):
+        click.echo(f"{kind:<14} {decode[kind] * 1e3:>10.3f} {prompt[kind] * 1e3:>10.2f}")
+    total = sum(p.decode.values()) + p.others_decode_s
+    click.echo(f"{'other ops':<14} {p.others_decode_s * 1e3:>10.3f}")
+    click.echo(f"a decoded token: {total * 1e3:.2f} ms ({1 / total:.2f} tok/s); a ubatch: "
+               f"{sum(p.prompt.values()) * 1e3:.1f} ms in its weights' operators; {len(p.decode)} tensors")
 
 
 # --- devices ----------------------------------------------------------------------------------

@@ -195,7 +195,9 @@ def context_params(lib, settings: Settings):
 
 
 class Engine:
-    def __init__(self, model_path: str, settings: Settings, log: _Log | None = None):
+    def __init__(self, model_path: str, settings: Settings, log: _Log | None = None, eval_callback=None):
+        """eval_callback: llama.cpp's ggml_backend_sched_eval_callback (a ctypes function), kept for the context's
+        life: the scheduler asks it of every node (opprofile.py times operators with it)."""
         if settings.strategy not in STRATEGIES:
             raise FlexoffloadError(f"unknown strategy {settings.strategy!r}: one of {', '.join(STRATEGIES)}")
         self.settings = settings
@@ -242,7 +244,11 @@ class Engine:
         if settings.strategy != "mmap":
             drop_file_cache(model_path)
 
-        self.ctx = lib.llama_init_from_model(self.model, context_params(lib, settings))
+        cparams = context_params(lib, settings)
+        if eval_callback is not None:
+            self._eval_callback = eval_callback
+            cparams.cb_eval = eval_callback
+        self.ctx = lib.llama_init_from_model(self.model, cparams)
         if not self.ctx:
             lib.llama_model_free(self.model)
             raise FlexoffloadError(f"llama.cpp could not make a context (n_ctx={settings.n_ctx}): {self.log.last_error()}")
