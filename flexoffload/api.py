@@ -190,8 +190,8 @@ def prepare(request: Request) -> Prepared:
             raise FlexoffloadError(f"the plan in {r.plan_dir} places tensors on "
                                    f"{', '.join(dict.fromkeys(b for _, b in plan.placed))}: give their servers "
                                    f"with --rpc")
-        if auto and plan is not None and not plan.tuning and not r.plan_dir and r.policy == "balanced" \
-                and r.window is None:
+        if auto and plan is not None and not plan.tuning and not r.plan_dir and not r.rpc \
+                and r.policy == "balanced" and r.window is None:
             note = _mmap_instead(model, plan, r.n_threads)
             if note:
                 return Prepared(replace(r, strategy="mmap"), model, limit, None, notes=[note])
@@ -293,7 +293,8 @@ def run_in_cgroup(p: Prepared, limit: int | None, stream_text: bool = False, tim
                 # llama.cpp's RPC client aborts when a server stops answering (RPC_STATUS_ASSERT)
                 raise FlexoffloadError(f"an RPC server ({p.request.rpc}) stopped answering: the run ended")
             last = [line for line in run.stderr.strip().splitlines() if line.strip()][-1:] or [f"exit {run.returncode}"]
-            raise FlexoffloadError(f"the run failed under the cgroup: {last[0].removeprefix('flexoffload: ')}")
+            where = " under the cgroup" if limit is not None else ""
+            raise FlexoffloadError(f"the run failed{where}: {last[0].removeprefix('flexoffload: ')}")
         result = json.loads(result_file.read_text())
     if limit is None:  # a child only for its own sake (RPC): its peak is its RSS, as in process
         result["wall_s"] = run.wall_s

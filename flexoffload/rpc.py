@@ -9,7 +9,8 @@ machine's cores with the client).
     with Machines(2, memory=640 << 20, rate="1gbit") as machines:
         machines.endpoints  # ['10.77.0.2:50052', '10.77.1.2:50052']
 
-Everything made is removed on exit, and by `clean()` after a crash (scripts/rpc_machines down). Needs root.
+Everything made is removed on exit, and by `clean()` after a crash (scripts/rpc_machines down). One set of machines
+at a time (a new one clears what an old one left). Needs root.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ SUBNET = "10.77"  # machine i is 10.77.i.2, the host's end of its link 10.77.i.1
 START_TIMEOUT = 20.0
 
 
-def _ip(*args: str, netns: str | None = None) -> None:
+def _run(*args: str, netns: str | None = None) -> None:
+    """A command (ip, tc), in a network namespace if netns; a one-line error if it fails."""
     cmd = (["ip", "netns", "exec", netns] if netns else []) + list(args)
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
@@ -79,17 +81,17 @@ class Machines:
     def _start(self, i: int) -> None:
         ns, host_end, peer = f"{PREFIX}{i}", f"{PREFIX}{i}h", f"{PREFIX}{i}n"
         host_ip, ip = f"{SUBNET}.{i}.1", f"{SUBNET}.{i}.2"
-        _ip("ip", "netns", "add", ns)
-        _ip("ip", "link", "add", host_end, "type", "veth", "peer", "name", peer)
-        _ip("ip", "link", "set", peer, "netns", ns)
-        _ip("ip", "addr", "add", f"{host_ip}/24", "dev", host_end)
-        _ip("ip", "link", "set", host_end, "up")
-        _ip("ip", "addr", "add", f"{ip}/24", "dev", peer, netns=ns)
-        _ip("ip", "link", "set", peer, "up", netns=ns)
-        _ip("ip", "link", "set", "lo", "up", netns=ns)
+        _run("ip", "netns", "add", ns)
+        _run("ip", "link", "add", host_end, "type", "veth", "peer", "name", peer)
+        _run("ip", "link", "set", peer, "netns", ns)
+        _run("ip", "addr", "add", f"{host_ip}/24", "dev", host_end)
+        _run("ip", "link", "set", host_end, "up")
+        _run("ip", "addr", "add", f"{ip}/24", "dev", peer, netns=ns)
+        _run("ip", "link", "set", peer, "up", netns=ns)
+        _run("ip", "link", "set", "lo", "up", netns=ns)
         # tbf shapes what a device sends: both ends, so each direction is held to the rate
         for dev, where in ((host_end, None), (peer, ns)):
-            _ip("tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", self.rate, "burst", "256kb",
+            _run("tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", self.rate, "burst", "256kb",
                 "latency", "100ms", netns=where)
         cgroup = MemoryCgroup(self.memory)
         self._cgroups.append(cgroup)
