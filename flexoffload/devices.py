@@ -16,8 +16,10 @@ from __future__ import annotations
 import ctypes
 import re
 import socket
+import statistics
 import struct
-from dataclasses import dataclass, field
+import time
+from dataclasses import asdict, dataclass, field
 
 from . import FlexoffloadError
 
@@ -25,6 +27,11 @@ RPC_PORT = 50052  # ggml-rpc-server's default
 RPC_PROTO_MAJOR = 7  # ggml/include/ggml-rpc.h in the pinned tree
 RPC_PROTO_MINOR = 0
 RPC_CONN_CAPS_SIZE = 24  # ggml/src/ggml-rpc/transport.h
+RPC_CMD_ALLOC_BUFFER = 0
+RPC_CMD_BUFFER_GET_BASE = 3
+RPC_CMD_FREE_BUFFER = 4
+RPC_CMD_SET_TENSOR = 6
+RPC_CMD_GET_TENSOR = 8
 RPC_CMD_GET_DEVICE_MEMORY = 11
 RPC_CMD_HELLO = 14
 RPC_CMD_DEVICE_COUNT = 15
@@ -121,8 +128,13 @@ def _recv(sock: socket.socket, n: int) -> bytes:
     return data
 
 
-def _call(sock: socket.socket, cmd: int, request: bytes, response_size: int) -> bytes:
+def _send(sock: socket.socket, cmd: int, request: bytes) -> None:
+    """A command without a response (| cmd | size | data |)."""
     sock.sendall(struct.pack("<BQ", cmd, len(request)) + request)
+
+
+def _call(sock: socket.socket, cmd: int, request: bytes, response_size: int) -> bytes:
+    _send(sock, cmd, request)
     (size,) = struct.unpack("<Q", _recv(sock, 8))
     if size != response_size:
         raise _NotRpc(f"a reply of {size} bytes where {response_size} were expected")
@@ -213,3 +225,63 @@ def buffer_type(name: str) -> int:
     rpc.ggml_backend_rpc_buffer_type.argtypes = [ctypes.c_char_p, ctypes.c_uint32]
     rpc.ggml_backend_rpc_buffer_type.restype = ctypes.c_void_p
     return rpc.ggml_backend_rpc_buffer_type(m.group(2).encode(), int(m.group(1)))
+
+
+@dataclass(frozen=True)
+class Link:
+    """The link to an RPC server as its protocol sees it: a small request's round trip, and bytes a second each way
+    (a tensor's data set on the server and read back, as llama.cpp moves activations)."""
+    endpoint: str
+    latency_s: float  # median round trip of a small command
+    send_bw: float  # bytes/s, client to server
+    recv_bw: float  # bytes/s, server to client
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _rpc_tensor(buffer: int, data: int, n_bytes: int) -> bytes:
+    """A packed rpc_tensor (ggml-rpc.cpp): an F32 vector of n_bytes at data in buffer."""
+    ne, nb = (n_bytes // 4, 1, 1, 1), (4, n_bytes, n_bytes, n_bytes)
+    return (struct.pack("<QIQ4I4II", 0, 0, buffer, *ne, *nb, 0) + bytes(16 * 4) + struct.pack("<i", 0)
+            + bytes(10 * 8) + struct.pack("<QQQ", 0, 0, data) + bytes(64) + struct.pack("<i", 0))
+
+
+def measure_link(endpoint: str, n_bytes: int = 8 << 20, repeats: int = 3, timeout: float = 60.0) -> Link:
+    """Time the link to an RPC server: round trips of GET_DEVICE_MEMORY, and n_bytes set into a buffer allocated on
+    it (then a round trip, so the server has taken them all) and read back (GET_TENSOR); the best of repeats, less
+    a round trip. The buffer is freed afterwards."""
+    probe_rpc(endpoint)
+    host, _, port = endpoint.rpartition(":")
+    n_bytes -= n_bytes % 4
+    with socket.create_connection((host, int(port)), timeout=timeout) as sock:
+        sock.settimeout(timeout)
+        _call(sock, RPC_CMD_HELLO, bytes(RPC_CONN_CAPS_SIZE), 4 + RPC_CONN_CAPS_SIZE)
+        ask_memory = struct.pack("<I", 0)
+        trips = []
+        for _ in range(20):
+            t0 = time.perf_counter()
+            _call(sock, RPC_CMD_GET_DEVICE_MEMORY, ask_memory, 16)
+            trips.append(time.perf_counter() - t0)
+        latency = statistics.median(trips)
+        remote, size = struct.unpack("<QQ", _call(sock, RPC_CMD_ALLOC_BUFFER, struct.pack("<IQ", 0, n_bytes), 16))
+        if remote == 0 or size < n_bytes:
+            raise FlexoffloadError(f"RPC server {endpoint} could not allocate {n_bytes} bytes to time its link")
+        try:
+            (base,) = struct.unpack("<Q", _call(sock, RPC_CMD_BUFFER_GET_BASE, struct.pack("<Q", remote), 8))
+            tensor = _rpc_tensor(remote, base, n_bytes)
+            payload = bytes(n_bytes)
+            send, recv = [], []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                _send(sock, RPC_CMD_SET_TENSOR, tensor + b"\0" + struct.pack("<Q", 0) + payload)
+                _call(sock, RPC_CMD_GET_DEVICE_MEMORY, ask_memory, 16)
+                send.append(time.perf_counter() - t0)
+                t0 = time.perf_counter()
+                _call(sock, RPC_CMD_GET_TENSOR, tensor + struct.pack("<QQ", 0, n_bytes), n_bytes)
+                recv.append(time.perf_counter() - t0)
+        finally:
+            _send(sock, RPC_CMD_FREE_BUFFER, struct.pack("<Q", remote))
+            _call(sock, RPC_CMD_GET_DEVICE_MEMORY, ask_memory, 16)  # the free is done before the socket closes
+    return Link(endpoint, latency, n_bytes / max(min(send) - latency, 1e-9),
+                n_bytes / max(min(recv) - latency, 1e-9))

@@ -157,3 +157,15 @@ def test_a_server_killed_mid_run_ends_the_run_with_one_error(tmp_path, one_machi
     assert proc.returncode == 1, err
     assert "stopped answering" in err.decode().strip().splitlines()[-1]
     assert time.monotonic() - t0 < 30
+
+
+def test_a_link_is_timed_at_the_rate_it_is_held_to():
+    """100 Mbit/s by tc tbf both ways: 12.5 MB/s each way as the RPC protocol moves a tensor's data, within 20 %."""
+    with rpc.Machines(1, memory=256 << 20, rate="100mbit") as machines:
+        endpoint = machines.endpoints[0]
+        link = devices.measure_link(endpoint, 2 << 20, repeats=2)
+        assert 0 < link.latency_s < 0.01
+        assert 10e6 < link.send_bw < 15e6 and 10e6 < link.recv_bw < 15e6, link
+        assert devices.probe_rpc(endpoint)  # the server is well after it, its buffer freed
+        out = cli("devices", "--rpc", endpoint, "--links", "--json", check=True).stdout
+        assert json.loads(out)["links"][0]["endpoint"] == endpoint
