@@ -8,7 +8,8 @@ An RPC server (llama.cpp's ggml-rpc-server, one per machine) is asked here, in P
 (ggml-rpc.cpp: | cmd: 1 byte | size: 8 bytes | data |, the response | size: 8 bytes | data |): HELLO, DEVICE_COUNT,
 GET_DEVICE_MEMORY. llama.cpp's client aborts the process on an unreachable server or a failed handshake (no
 timeout, GGML_ABORT), so every server is probed this way, with a timeout, before llama.cpp connects to it. The
-server serves one client at a time: the probe closes its connection before a run opens one.
+server serves one client at a time: the probe closes its connection before a run opens one. `measure_link` times a
+link the same way: round trips of a small command, and a buffer's worth of data set on the server and read back.
 """
 
 from __future__ import annotations
