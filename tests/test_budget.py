@@ -47,7 +47,7 @@ def test_cgroup_holds_a_process_to_its_budget():
     assert not path.exists()  # removed afterwards
 
 
-def test_runtime_overhead_covers_a_real_run(tiny_model):
+def test_the_measured_runtime_is_within_a_real_runs_peak(tiny_model):
     """A cold run of a tiny model, whose peak is nearly all runtime, fits in the estimated minimum."""
     import json
 
