@@ -147,7 +147,7 @@ def _mmap_instead(model, plan, n_threads: int) -> str:
     That is where the page cache beside the run's other memory holds what a token touches: mmap is compute-bound
     there, and the plan can only match it. A tie goes to mmap: measured over the matrix (results/matrix.md), every
     run where mmap's cache held a token's bytes was as fast or faster with mmap (a plan streaming a few MiB a token
-    lost up to 11 %; one keeping every weight resident, in memory llama.cpp allocates and locks, 2-9 %, as upstream's
+    lost up to 11 %; one keeping every weight resident, in memory llama.cpp allocates and locks, 0-9 %, as upstream's
     own --mlock loses to mmap). The plan's margin (footprint.MARGIN) is for the budget's promise, not this
     prediction: it counts as cache."""
     from . import costmodel, footprint
@@ -236,12 +236,12 @@ def run_prepared(p: Prepared, on_text=None) -> dict:
     from . import plan as plans
 
     r, model, plan = p.request, p.model, p.plan
-    names = [t.name for t in model.tensors]
+    pairs = plans.overrides(plan) if plan else []  # tensors.ot's lines: (pattern, buffer type)
     settings = engine.Settings(
         n_ctx=r.n_ctx, n_batch=r.n_batch, n_threads=r.n_threads, temp=r.temp, seed=r.seed & 0xFFFFFFFF,
         strategy=r.strategy,
-        streamed_patterns=tuple(plans.override_patterns(list(plan.streamed), names)) if plan else (),
-        placed_patterns=tuple((p, b) for p, b in plans.overrides(plan) if b != plans.STREAMED_BUFT) if plan else (),
+        streamed_patterns=tuple(p for p, b in pairs if b == plans.STREAMED_BUFT),
+        placed_patterns=tuple((p, b) for p, b in pairs if b != plans.STREAMED_BUFT),
         rpc=tuple(devices.parse_endpoints(r.rpc)) if r.rpc else (), n_gpu_layers=r.n_gpu_layers,
         window=(r.window if r.window is not None else plan.window) if plan else 0,
         io_threads=r.io_threads or (plan.io_threads if plan else IO_THREADS), verbose=r.verbose)

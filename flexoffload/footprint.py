@@ -104,13 +104,6 @@ def smallest_budget(need: int) -> int:
     return int(need / (1 - KERNEL_PER_BYTE - MARGIN)) + 1
 
 
-def _anonymous() -> int:
-    """This process's resident anonymous memory (RssAnon)."""
-    from .budget import status_bytes
-
-    return status_bytes("RssAnon")
-
-
 def _code(model_path: str) -> int:
     """The resident file pages this process maps, but the model's (smaps: libraries, Python, its modules)."""
     model = os.path.realpath(model_path)
@@ -130,17 +123,18 @@ def probe(model_path: str, n_ctx: int, n_batch: int, n_outputs: int, n_seq_max: 
     """In this process: the model with every weight streamed and a context; the sizes llama.cpp logs, and what the
     process's memory grew by."""
     from . import cli, engine  # noqa: F401 (what a run imports, so the runtime is a run's)
+    from .budget import status_bytes
     from .model import load
 
     lib = engine.llama_cpp()
     log = engine._Log(lib, verbose=False, keep=None)
     load(model_path)  # a run reads the model's header in Python first (its tensors, for the plan)
-    runtime = _anonymous()
+    runtime = status_bytes("RssAnon")  # resident anonymous memory
     settings = engine.Settings(n_ctx=n_ctx, n_batch=n_batch, n_threads=1, strategy="stream",
                                streamed_patterns=(".*",), window=0, io_threads=1, n_outputs=n_outputs,
                                n_seq_max=n_seq_max)
     with engine.Engine(model_path, settings, log=log) as eng:
-        grown = _anonymous() - runtime
+        grown = status_bytes("RssAnon") - runtime
         code = _code(model_path)
         n_vocab = lib.llama_vocab_n_tokens(eng.vocab)
         sizes = {}

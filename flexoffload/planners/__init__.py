@@ -91,18 +91,23 @@ class Ledger:
         """Whether all these (streamed layer) tensors can be made resident together."""
         tensors = [t for t in tensors if t.name not in self.resident]
         n_bytes = sum(t.n_bytes for t in tensors)
-        streamed = list(self.streamed)
+        freed: dict[int, int] = {}  # stage -> read buffers it would no longer hold
         for t in tensors:
-            streamed[self.stage[t.name]] -= self.held[t.name]
-        if self._ring(streamed) != self._ring(self.streamed):  # the ring changes: the window may grow
-            return self.used + n_bytes + self.window_of(streamed) <= self.capacity
-        if self.used + n_bytes + self.window_bytes <= self.capacity:
-            return True
-        self._refresh()
-        if self.used + n_bytes + self.window_bytes <= self.capacity:
-            return True
-        if len(tensors) == 1 and self.stage[tensors[0].name] not in self.window_stages():
-            return False  # the window would not shrink
+            freed[self.stage[t.name]] = freed.get(self.stage[t.name], 0) + self.held[t.name]
+        # a stage that stops streaming leaves the ring: the window may grow, so it is computed (only then: this is
+        # the planners' inner loop)
+        leaves = any(self.streamed[s] > 0 and self.streamed[s] - b <= 0 for s, b in freed.items())
+        if not leaves:
+            if self.used + n_bytes + self.window_bytes <= self.capacity:
+                return True
+            self._refresh()
+            if self.used + n_bytes + self.window_bytes <= self.capacity:
+                return True
+            if len(tensors) == 1 and self.stage[tensors[0].name] not in self.window_stages():
+                return False  # the window would not shrink
+        streamed = list(self.streamed)
+        for stage, b in freed.items():
+            streamed[stage] -= b
         return self.used + n_bytes + self.window_of(streamed) <= self.capacity
 
     def add(self, tensors: Iterable[Tensor]) -> None:
