@@ -61,6 +61,7 @@ class Request:
     draft_always: bool = False  # speculate even where the target alone is predicted faster
     rpc: str | None = None  # RPC servers (HOST:PORT,...) the plan places tensors on
     n_gpu_layers: int = 0  # with rpc: the last layers offloaded to the servers' devices, as llama.cpp's -ngl
+    placement: str = "auto"  # with rpc and --mem: how weights are placed across the devices (placers)
     tuned: bool = True  # stream by a plan --tune made for this model, budget and machine, where there is one
     verbose: bool = False
 
@@ -123,6 +124,12 @@ def plan_for_run(model, r: Request, limit: int | None, n_outputs: int = 1, n_seq
         plan = plans.read(r.plan_dir)
         plans.check_fits(plan, model, limit, r.plan_dir)
         return plan
+    if r.rpc and r.strategy == "stream":  # placed across the servers' devices, the host's share planned too
+        from . import placers
+        from . import devices
+
+        return placers.for_endpoints(model, devices.parse_endpoints(r.rpc), r.mem, r.placement,
+                                     profiler.measure(model, r.n_threads), r.n_threads, r.n_ctx, r.n_batch)
     policy, window = r.policy, r.window
     if r.tuned and r.strategy == "stream" and policy == "balanced" and window is None and limit is not None \
             and n_outputs == 1 and not draft:
@@ -175,7 +182,12 @@ def prepare(request: Request) -> Prepared:
     path = catalog.resolve(r.model)
     r.model = str(path)
     model = load(path)
-    limit = budgets.parse_size(r.mem, model.file_size) if r.mem else None
+    if r.rpc and r.mem and "=" in r.mem:  # per device: this machine's budget is cpu=
+        from . import devices, placers
+
+        limit = placers.parse_mem(r.mem, devices.parse_endpoints(r.rpc), model)[0]
+    else:
+        limit = budgets.parse_size(r.mem, model.file_size) if r.mem else None
     if r.rpc:  # llama.cpp aborts on a server it cannot reach: each is asked first, for a one-line error
         from . import devices
 
@@ -242,7 +254,9 @@ def run_prepared(p: Prepared, on_text=None) -> dict:
         strategy=r.strategy,
         streamed_patterns=tuple(p for p, b in pairs if b == plans.STREAMED_BUFT),
         placed_patterns=tuple((p, b) for p, b in pairs if b != plans.STREAMED_BUFT),
-        rpc=tuple(devices.parse_endpoints(r.rpc)) if r.rpc else (), n_gpu_layers=r.n_gpu_layers,
+        rpc=tuple(devices.parse_endpoints(r.rpc)) if r.rpc else (),
+        n_gpu_layers=plan.placement["n_gpu_layers"] if plan and plan.placement else r.n_gpu_layers,
+        tensor_split=tuple(plan.placement["tensor_split"]) if plan and plan.placement else (),
         window=(r.window if r.window is not None else plan.window) if plan else 0,
         io_threads=r.io_threads or (plan.io_threads if plan else IO_THREADS), verbose=r.verbose)
     if p.draft_model is not None:
@@ -335,6 +349,10 @@ def main() -> None:
     [--stream-text]`. It runs here, in this process: the parent made the child to hold it."""
     request_file, result_file, *flags = sys.argv[1:]
     request = Request(**json.loads(Path(request_file).read_text()))
+    if request.rpc:
+        from . import rpc
+
+        rpc.spin_briefly()
     on_text = (lambda s: (sys.stdout.write(s), sys.stdout.flush())) if "--stream-text" in flags else None
     try:
         result = run_prepared(prepare(request), on_text)

@@ -215,10 +215,15 @@ _RPC_BUFT = re.compile(r"^RPC(\d+)\[(.+:\d+)\]$")
 
 def buffer_type(name: str) -> int:
     """The ggml buffer type llama.cpp names `name` (a tensors.ot line's right side), for a tensor override:
-    RPC<device>[host:port] (its server registered first: register_rpc)."""
+    RPC<device>[host:port] (its server registered first: register_rpc), or CPU (a tensor a layer assignment
+    would put on a device, kept on the host)."""
+    if name == "CPU":
+        base = _ggml("libggml-base.so")
+        base.ggml_backend_cpu_buffer_type.restype = ctypes.c_void_p
+        return base.ggml_backend_cpu_buffer_type()
     m = _RPC_BUFT.match(name)
     if not m:
-        raise FlexoffloadError(f"unknown buffer type {name!r}: this build places tensors on STREAMED or "
+        raise FlexoffloadError(f"unknown buffer type {name!r}: this build places tensors on STREAMED, CPU or "
                                f"RPC<i>[HOST:PORT]")
     if m.group(2) not in _rpc_devices:
         raise FlexoffloadError(f"{name}: its RPC server {m.group(2)} is not among --rpc")

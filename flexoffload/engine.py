@@ -40,6 +40,7 @@ class Settings:
     n_seq_max: int = 1  # sequences in the KV cache (a speculation tree: one per branch, in one unified cache)
     rpc: tuple[str, ...] = ()  # RPC servers (HOST:PORT) whose devices tensors may be placed on
     n_gpu_layers: int = 0  # with rpc: the last layers llama.cpp offloads to those devices, KV cache with them (-ngl)
+    tensor_split: tuple[float, ...] = ()  # with rpc: their shares of those layers per device (-ts); () upstream's
     placed_patterns: tuple[tuple[str, str], ...] = ()  # (regex, buffer type name) of tensors on another device
     verbose: bool = False
 
@@ -219,6 +220,9 @@ class Engine:
             # free memory), each with its KV cache; llama.cpp's default would offload them all. The rest stay on
             # the CPU, where the plan may still place tensors one by one, by override
             mparams.n_gpu_layers = settings.n_gpu_layers
+            if settings.tensor_split:
+                self._split = (ctypes.c_float * lib.LLAMA_MAX_DEVICES)(*settings.tensor_split)
+                mparams.tensor_split = self._split
             overrides += [(p.encode(), devices.buffer_type(b)) for p, b in settings.placed_patterns]
         elif settings.placed_patterns:
             raise FlexoffloadError("the plan places tensors on other devices: give their servers with --rpc")

@@ -127,12 +127,109 @@ def cached(model, n_threads: int, n_batch: int = 64, remeasure: bool = False) ->
 def main() -> None:
     import sys
 
-    model_path, n_threads, n_batch = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     try:
+        if sys.argv[1] == "--device":  # one server's first device
+            from . import rpc
+
+            rpc.spin_briefly()
+            model_path, endpoint, n_threads = sys.argv[2], sys.argv[3], int(sys.argv[4])
+            print(json.dumps(measure_device(model_path, endpoint, n_threads)))
+            return
+        model_path, n_threads, n_batch = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
         print(json.dumps(measure(model_path, n_threads, n_batch).to_dict()))
     except FlexoffloadError as e:
         print(f"flexoffload: {e}", file=sys.stderr)
         sys.exit(1)
+
+
+# --- a device's profile: how its compute and its link compare with this machine's --------------------------------
+
+DEVICE_PROMPT = "def quicksort(arr):\n"
+DEVICE_TOKENS = 24
+
+
+def device_layers(n_layer: int) -> tuple[int, ...]:
+    """The -ngl values a device is timed at: the output head alone, a third, two thirds, everything."""
+    return (1, (n_layer + 1) // 3, 2 * (n_layer + 1) // 3, n_layer + 1)
+
+
+def _decode_seconds(model_path: str, n_threads: int, rpc: tuple[str, ...] = (), n_gpu_layers: int = 0,
+                    placed: tuple[tuple[str, str], ...] = ()) -> float:
+    """Seconds a decoded token takes with the trailing n_gpu_layers layers on the RPC devices (all weights in
+    memory): the faster of two generations."""
+    from . import engine
+
+    settings = engine.Settings(n_ctx=256, n_batch=64, n_threads=n_threads, strategy="mmap", temp=0, rpc=rpc,
+                               n_gpu_layers=n_gpu_layers, placed_patterns=placed)
+    with engine.Engine(model_path, settings) as eng:
+        best = min(eng.generate(DEVICE_PROMPT, DEVICE_TOKENS).decode_tok_s for _ in range(2))
+    return 1.0 / best
+
+
+def measure_device(model_path: str, endpoint: str, n_threads: int) -> dict:
+    """The profile of an RPC server's (first) device (placement.DeviceProfile's fields) from whole tokens as llama.cpp's scheduler runs
+    them: the model all on the host (A), all but the input on the device (B: -ngl n_layer+1), and the trailing half
+    on it (C). Both B and C visit the device once a token, so
+        s_X - host_X - bytes_X / bandwidth = ratio * device_X + visit,
+    with host_X and device_X the cost model's compute of the operators each side runs (the host's scaled to A),
+    gives the device's compute ratio and its visit's cost; the bandwidth is its link's (devices.measure_link).
+    Per-operator timing through the eval callback would pay a round trip per node on RPC, larger than most
+    nodes' compute, so whole tokens are timed instead."""
+    from . import devices, profile
+    from .model import load
+    from .placement import DeviceProfile, Placement, Walk
+
+    model = load(model_path)
+    link = devices.measure_link(endpoint)
+    bandwidth = min(link.send_bw, link.recv_bw)
+    host_profile = profile.measure(model, n_threads)
+    unit = [DeviceProfile("RPC0", 1.0, 0.0, bandwidth)]
+    s_a = _decode_seconds(model_path, n_threads)
+    scale = s_a / Walk(model, Placement("profile", ("RPC0",)), unit, host_profile).host  # measured over modelled
+    device = devices.probe_rpc(endpoint)[0].name
+    # -ngl runs visit the device once a token; every block's ffn_down there (-ot, attention on the host) visits it
+    # once a block
+    configs = [(f"-ngl {n}", Placement("profile", ("RPC0",), n)) for n in device_layers(model.n_layer)]
+    downs = tuple((t.name, "RPC0") for t in model.tensors if t.kind == "ffn_down")
+    configs.append(("ffn_down of every block", Placement("profile", ("RPC0",), 0, (), downs)))
+    rows = []  # (config, seconds measured, what the device computes in the cost model's terms, visits)
+    for name, placement in configs:
+        placed = tuple((f"^{n.replace('.', chr(92) + '.')}$", device) for n, _ in placement.placed)
+        s = _decode_seconds(model_path, n_threads, (endpoint,), placement.n_gpu_layers, placed)
+        walk = Walk(model, placement, unit, host_profile)
+        rows.append((name, s, s - scale * walk.host - walk.transfer_s, walk.compute[0], walk.visits))
+    # least squares of y = ratio * device + visit * visits, no intercept
+    sxx = sum(r[3] * r[3] for r in rows)
+    sxv = sum(r[3] * r[4] for r in rows)
+    svv = sum(r[4] * r[4] for r in rows)
+    sxy = sum(r[3] * r[2] for r in rows)
+    svy = sum(r[4] * r[2] for r in rows)
+    det = sxx * svv - sxv * sxv
+    ratio = max((sxy * svv - svy * sxv) / det, 0.05)
+    visit = max((svy * sxx - sxy * sxv) / det, 0.0)
+    return {"name": "", "compute_ratio": ratio, "visit_s": visit, "bandwidth": bandwidth,
+            "measured": {"host_s": s_a, "host_scale": scale, "latency_s": link.latency_s,
+                         "runs": [{"config": n, "seconds": s, "visits": v} for n, s, _, _, v in rows]}}
+
+
+def device_cached(model, endpoint: str, n_threads: int, remeasure: bool = False) -> dict:
+    """measure_device in a child process (llama.cpp aborts the process when an RPC server fails), cached per model
+    file, server and threads; the profile's name is left for the caller (the device's buffer type)."""
+    import subprocess
+    import sys
+
+    safe = endpoint.replace(":", "_")
+    path = cache_dir() / "devices" / f"{file_key(model.path)}-{safe}-t{n_threads}-v2.json"
+    if path.exists() and not remeasure:
+        return json.loads(path.read_text())
+    r = subprocess.run([sys.executable, "-m", "flexoffload.opprofile", "--device", str(model.path), endpoint,
+                        str(n_threads)], capture_output=True, text=True, timeout=1800)
+    if r.returncode != 0:
+        last = [line for line in r.stderr.splitlines() if line.strip()][-1:] or [f"exit {r.returncode}"]
+        raise FlexoffloadError(f"profiling the device at {endpoint} failed: {last[0]}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(r.stdout)
+    return json.loads(r.stdout)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ from . import FlexoffloadError
 from .costmodel import Profile
 
 STREAMED_BUFT = "STREAMED"  # the name the streaming patch registers its buffer type under
+CPU_BUFT = "CPU"  # the CPU's own: an override sending a tensor a layer assignment put on a device back to the host
 OVERRIDES_FILE = "tensors.ot"
 PLAN_FILE = "plan.json"
 
@@ -67,8 +68,10 @@ class Plan:
     roofline_tok_s: float
     profile: Profile | None = None  # the profile the prediction used
     tuning: tuple = ()  # plan --tune: every candidate's policy, window, predicted and measured tok/s (tune.py)
-    placed: tuple[tuple[str, str], ...] = ()  # (resident tensor, buffer type) for those on another device (their
-    # bytes are not in memory.resident: that is this machine's)
+    placed: tuple[tuple[str, str], ...] = ()  # (resident tensor, buffer type) for those an override sends to another
+    # device, or back to the CPU (their bytes are not in memory.resident: that is this machine's)
+    placement: dict | None = None  # across devices (placement.py): -ngl, -ts, the devices' predicted time, memory
+    # and transfer; tensors the layer assignment puts on a device are resident here too, at no bytes
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -85,7 +88,8 @@ class Plan:
         profile = Profile.from_dict(d["profile"]) if d.get("profile") else None
         return cls(**{**d, "memory": Memory(**memory), "resident": tuple(d["resident"]),
                       "streamed": tuple(d["streamed"]), "profile": profile, "tuning": tuple(d.get("tuning", ())),
-                      "placed": tuple(tuple(p) for p in d.get("placed", ()))})
+                      "placed": tuple(tuple(p) for p in d.get("placed", ())),
+                      "placement": d.get("placement")})
 
 
 def streamed_bytes(plan: Plan, model) -> int:
@@ -189,6 +193,16 @@ def streamed_by(pairs: list[tuple[str, str]], names: list[str]) -> list[str]:
     return [n for n in names if bufts.get(n) == STREAMED_BUFT]
 
 
+def on_devices(plan: Plan, model) -> set[str]:
+    """The tensors a plan puts on other devices, by override or by llama.cpp's layer assignment."""
+    if plan.placement is None:
+        return {n for n, b in plan.placed if b != CPU_BUFT}
+    from .placement import HOST, Placement, tensor_devices
+
+    where = tensor_devices(model, Placement.from_dict(plan.placement))
+    return {n for n, d in where.items() if d != HOST}
+
+
 def check_fits(plan: Plan, model, budget: int | None, directory) -> None:
     """Refuse a saved plan made for another model (its tensors or their sizes differ) or larger than the budget."""
     from .budget import format_size
@@ -196,7 +210,7 @@ def check_fits(plan: Plan, model, budget: int | None, directory) -> None:
     sizes = {t.name: t.n_bytes for t in model.tensors}
     # an mmap plan (plan --tune measured mmap fastest) holds no weights of its own: its resident bytes are 0; the
     # bytes of tensors placed on another device are that device's, not this machine's
-    placed = {n for n, _ in plan.placed}
+    placed = on_devices(plan, model)
     resident = 0 if plan.policy == "mmap" else sum(sizes.get(n, 0) for n in plan.resident if n not in placed)
     if set(plan.resident) | set(plan.streamed) != set(sizes) or resident != plan.memory.resident:
         raise FlexoffloadError(f"the plan in {directory} was made for another model ({Path(plan.model).name}), "
