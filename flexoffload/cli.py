@@ -17,6 +17,8 @@ import click
 from . import FlexoffloadError, __version__
 from . import budget as budgets
 from . import models as catalog
+
+PLACEMENTS = ("auto", "oato", "layers", "split")  # placers.solve's policies
 from .budget import MiB, format_size
 
 
@@ -111,22 +113,26 @@ def _report(result: dict, as_json: bool) -> None:
 @click.option("--tuned/--untuned", default=True, show_default=True,
               help="stream by the plan `plan --tune` made for this model, budget and -c/-b, where there is one")
 @click.option("--rpc", "rpc", metavar="HOST:PORT,...",
-              help="RPC servers (ggml-rpc-server) holding the tensors a plan places on them (--plan)")
+              help="RPC servers (ggml-rpc-server) to place weights on: by --plan, by -ngl, or placed now with "
+                   "--mem (cpu=SIZE,rpc0=SIZE,...)")
 @click.option("-ngl", "--n-gpu-layers", "n_gpu_layers", default=0, show_default=True,
               help="with --rpc: the last layers to offload to the servers, each with its KV cache (llama.cpp's -ngl)")
+@click.option("--placement", type=click.Choice(PLACEMENTS), default="auto", show_default=True,
+              help="with --rpc and --mem: how weights are placed across the devices")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object instead of text and timings")
 @click.option("-v", "--verbose", is_flag=True, help="show llama.cpp's log")
 @_errors_as_one_line
 def run(model_spec, prompt, prompt_file, n_predict, ctx_size, batch_size, threads, temp, seed, mem, enforce,
         strategy, policy, plan_dir, window, io_threads, draft_spec, draft_max, draft_p_split, spec_mode, no_pacer,
-        no_adaptive, no_adaptive_split, pipeline, draft_always, tuned, rpc, n_gpu_layers, as_json, verbose):
+        no_adaptive, no_adaptive_split, pipeline, draft_always, tuned, rpc, n_gpu_layers, placement, as_json,
+        verbose):
     """Generate text from a prompt (with -md: speculation by a resident draft model)."""
     from . import api
 
     request = request_from_flags(model_spec, prompt, prompt_file, n_predict, ctx_size, batch_size, threads, temp,
                                  seed, mem, strategy, policy, plan_dir, window, io_threads, draft_spec, draft_max,
                                  draft_p_split, spec_mode, no_pacer, no_adaptive, no_adaptive_split, pipeline,
-                                 draft_always, tuned, verbose, rpc, n_gpu_layers)
+                                 draft_always, tuned, verbose, rpc, n_gpu_layers, placement)
     on_text = None if as_json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
     result = api.generate(request, on_text, enforce=enforce, echo=lambda msg: click.echo(msg, err=True))
     _report(result, as_json)
@@ -135,7 +141,7 @@ def run(model_spec, prompt, prompt_file, n_predict, ctx_size, batch_size, thread
 def request_from_flags(model_spec, prompt, prompt_file, n_predict, ctx_size, batch_size, threads, temp, seed, mem,
                        strategy, policy, plan_dir, window, io_threads, draft_spec, draft_max, draft_p_split,
                        spec_mode, no_pacer, no_adaptive, no_adaptive_split, pipeline, draft_always, tuned, verbose,
-                       rpc=None, n_gpu_layers=0):
+                       rpc=None, n_gpu_layers=0, placement="auto"):
     """api.Request from `run`'s flags (the prompt read from -f as llama.cpp reads it)."""
     from . import api
 
@@ -145,7 +151,7 @@ def request_from_flags(model_spec, prompt, prompt_file, n_predict, ctx_size, bat
         plan_dir=plan_dir, window=window, io_threads=io_threads, draft=draft_spec, draft_max=draft_max,
         draft_p_split=draft_p_split, spec=spec_mode, pacer=not no_pacer, adaptive=not no_adaptive,
         adaptive_split=not no_adaptive_split, pipeline=pipeline, draft_always=draft_always, tuned=tuned,
-        verbose=verbose, rpc=rpc, n_gpu_layers=n_gpu_layers)
+        verbose=verbose, rpc=rpc, n_gpu_layers=n_gpu_layers, placement=placement)
 
 
 def request_from_args(args: list[str]):
@@ -217,9 +223,13 @@ def profile(model_spec, threads, remeasure, ops, batch_size, as_json):
 
 @main.command()
 @click.option("-m", "--model", "model_spec", metavar="MODEL", help=f"GGUF path or catalog name [default: {catalog.DEFAULT_MODEL}]")
-@click.option("--mem", required=True, help="memory budget for the whole process: 400M, 1.5G or 0.4x")
+@click.option("--mem", required=True, help="memory budget for the whole process: 400M, 1.5G or 0.4x; with --rpc "
+                                           "also per device: cpu=600M,rpc0=700M")
 @click.option("--policy", default="balanced", show_default=True,
               help="balanced, flexinfer, attn-first, ffn-first or layer")
+@click.option("--rpc", "rpc", metavar="HOST:PORT,...", help="RPC servers whose devices the plan places weights on")
+@click.option("--placement", type=click.Choice(PLACEMENTS), default="auto", show_default=True,
+              help="with --rpc: how weights are placed across the devices")
 @click.option("-c", "--ctx-size", default=2048, show_default=True)
 @click.option("-b", "--batch-size", default=512, show_default=True)
 @click.option("-t", "--threads", default=os.cpu_count() or 1, show_default=True)
@@ -233,8 +243,8 @@ def profile(model_spec, threads, remeasure, ops, batch_size, as_json):
 @click.option("--tune-rounds", default=2, show_default=True, help="runs of each candidate, in turn")
 @click.option("--json", "as_json", is_flag=True)
 @_errors_as_one_line
-def plan(model_spec, mem, policy, ctx_size, batch_size, threads, window, io_threads, out_dir, tune_best, tune_rounds,
-         as_json):
+def plan(model_spec, mem, policy, rpc, placement, ctx_size, batch_size, threads, window, io_threads, out_dir, tune_best,
+         tune_rounds, as_json):
     """Choose which tensors stay resident under a budget; write tensors.ot and plan.json."""
     from . import plan as plans
     from . import profile as profiler
@@ -242,8 +252,12 @@ def plan(model_spec, mem, policy, ctx_size, batch_size, threads, window, io_thre
     from .planners import plan_budget
 
     model = load(catalog.resolve(model_spec))
-    budget = budgets.parse_size(mem, model.file_size)
     profile = profiler.measure(model, threads)
+    if rpc:
+        _plan_placement(model, rpc, mem, placement, profile, threads, ctx_size, batch_size, io_threads, out_dir,
+                        as_json)
+        return
+    budget = budgets.parse_size(mem, model.file_size)
     if tune_best is not None:
         from . import tune
 
@@ -270,6 +284,33 @@ def plan(model_spec, mem, policy, ctx_size, batch_size, threads, window, io_thre
         from . import tune
 
         click.echo("  tuned: the candidates, measured under the budget\n" + tune.describe(p))
+
+
+def _plan_placement(model, rpc, mem, placement, profile, threads, n_ctx, n_batch, io_threads, out_dir, as_json):
+    """`plan --rpc`: weights placed across the servers' devices, the host's share planned under its budget."""
+    from . import devices, placers
+    from . import plan as plans
+
+    endpoints = devices.parse_endpoints(rpc)
+    for endpoint in endpoints:
+        devices.probe_rpc(endpoint)
+    p = placers.for_endpoints(model, endpoints, mem, placement, profile, threads, n_ctx, n_batch, io_threads)
+    plans.write(p, out_dir)
+    if as_json:
+        click.echo(json.dumps(p.to_dict()))
+        return
+    at = p.placement
+    cost = at["cost"]
+    click.echo(f"{model.path.name}: {at['policy']} placement, written to {out_dir} (llama.cpp: "
+               f"{' '.join(at['llama_args'])} -ot tensors.ot)")
+    click.echo(f"  this machine: resident {p.memory.resident / MiB:.0f} MiB, streamed "
+               f"{plans.streamed_bytes(p, model) / MiB:.0f} MiB a token, {p.memory.total / MiB:.0f} of "
+               f"{p.budget / MiB:.0f} MiB; compute {cost['host_compute_s'] * 1e3:.1f} ms a token")
+    for d in at["per_device"]:
+        click.echo(f"  {d['name']}: {d['memory'] / MiB:.0f} of {d['budget'] / MiB:.0f} MiB; compute "
+                   f"{d['compute_s'] * 1e3:.1f} ms a token")
+    click.echo(f"  {cost['visits']} visit(s) to the devices a token, {cost['transfer_bytes'] / 1024:.0f} KiB over the "
+               f"links, {cost['transfer_s'] * 1e3:.1f} ms; predicted {p.predicted_tok_s:.2f} tok/s")
 
 
 # --- info -------------------------------------------------------------------------------------

@@ -277,21 +277,28 @@ def predict(model: Model, placement: Placement, devices: list[DeviceProfile], pr
 
 
 def device_bytes(model: Model, placement: Placement, kv_cache: int, compute: int) -> list[int]:
-    """Memory each device needs: its weights (a tied token_embd's copy where the output head is), its blocks' share
-    of the KV cache, and a compute buffer as large as the host's (an upper bound: it holds its splits' tensors)."""
+    """Memory each device needs: its weights (a tied token_embd's copy where the output head is), and the larger of
+    what loading them takes beside them (an RPC server receives a tensor whole into a buffer before it copies it
+    into place: its largest tensor) and what running takes (its blocks' share of the KV cache and a compute buffer
+    as large as the host's, an upper bound: it holds its splits' tensors). The load ends before the context is made."""
     where = tensor_devices(model, placement)
     used = [0] * len(placement.devices)
+    largest = [0] * len(placement.devices)
     for t in model.tensors:
         if where[t.name] != HOST:
             used[where[t.name]] += t.n_bytes
+            largest[where[t.name]] = max(largest[where[t.name]], t.n_bytes)
     if model.tied_embeddings:
         head = output_device(model, placement, where)
         if head != HOST:
-            used[head] += next(t.n_bytes for t in model.tensors if t.kind == "token_embd")
+            embd = next(t.n_bytes for t in model.tensors if t.kind == "token_embd")
+            used[head] += embd
+            largest[head] = max(largest[head], embd)
+    running = [0] * len(placement.devices)
     for d in kv_devices(model, placement):
         if d != HOST:
-            used[d] += kv_cache // max(model.n_layer, 1)
-    return [u + (compute if u else 0) for u in used]
+            running[d] += kv_cache // max(model.n_layer, 1)
+    return [u + max(big, run + compute) if u else 0 for u, big, run in zip(used, largest, running)]
 
 
 def load_bytes(model: Model, placement: Placement) -> int:

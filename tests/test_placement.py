@@ -1,0 +1,128 @@
+"""Placement across devices (placement.py, placers/): llama.cpp's layer assignment mirrored, a token's visits to a
+device counted, each policy within its device's budget, ours never predicted slower than the others; and over a
+netns RPC machine, every policy's plan giving llama.cpp's own greedy tokens."""
+
+import dataclasses
+from collections import Counter
+
+import pytest
+
+from conftest import cli
+from flexoffload import FlexoffloadError, api, placers, rpc, synth
+from flexoffload import plan as plans
+from flexoffload.costmodel import Profile
+from flexoffload.model import load
+from flexoffload.placement import HOST, DeviceProfile, Placement, Walk, device_bytes, layer_devices, tensor_devices
+from flexoffload.placers import oato
+
+RPC_LIKE = DeviceProfile("RPC0[10.77.0.2:50052]", compute_ratio=1.0, visit_s=0.7e-3, bandwidth=110e6)
+PROFILE = Profile(disk_bw=2e9, default_sec_per_byte=3e-11, layer_overhead=1e-4, token_overhead=7e-4)
+
+
+@pytest.fixture(scope="module")
+def qwen2(tmp_path_factory):
+    """A 28-layer model of the 1.5B's layout, not written out (its tensor table is all the placers read)."""
+    path = synth.write(tmp_path_factory.mktemp("m") / "q.gguf", dataclasses.replace(synth.SHAPES["qwen2-tiny"],
+                                                                                      n_layer=28))
+    return load(path)
+
+
+def test_layers_go_where_llama_cpp_sends_them():
+    # -ngl 7 of 28: blocks 22-27 and the output head (index 28), as src/llama-model.cpp's i_gpu_start
+    assert layer_devices(28, 7, (), 1) == [HOST] * 22 + [0] * 7
+    assert layer_devices(28, 0, (), 1) == [HOST] * 29
+    assert layer_devices(28, 99, (), 2) == [0] * 14 + [1] * 15  # upstream's equal split
+    for counts in placers.layer_counts(None, 9, 3):
+        got = Counter(layer_devices(28, 9, tuple(map(float, counts)), 3))
+        assert [got[d] for d in range(3)] == counts and got[HOST] == 20
+
+
+def test_a_token_visits_a_device_once_per_contiguous_run(qwen2):
+    unit = [RPC_LIKE]
+    tail = Walk(qwen2, Placement("t", (RPC_LIKE.name,), 10), unit, PROFILE)
+    assert tail.visits == 1 and tail.transfer_bytes == qwen2.n_embd * 4 + qwen2.n_vocab * 4  # in, and the logits
+    downs = tuple((t.name, RPC_LIKE.name) for t in qwen2.tensors if t.kind == "ffn_down")
+    spread = Walk(qwen2, Placement("t", (RPC_LIKE.name,), 0, (), downs), unit, PROFILE)
+    assert spread.visits == qwen2.n_layer and spread.transfer_s > 20 * tail.transfer_s
+    home = tuple((t.name, "CPU") for t in qwen2.tensors if t.layer is None and t.kind != "token_embd")
+    kept = Walk(qwen2, Placement("t", (RPC_LIKE.name,), 10, (), home), unit, PROFILE)
+    assert kept.transfer_bytes == 2 * qwen2.n_embd * 4  # the output head at home: no logits over the link
+    assert tensor_devices(qwen2, Placement("t", (RPC_LIKE.name,), 10, (), home))["output.weight"] == HOST
+
+
+def _problem(model, share):
+    weights = model.weight_bytes
+    return placers.Problem(model, (RPC_LIKE,), (int(share * weights) + (1 << 20),), 1 << 40, PROFILE,
+                           kv_cache=1 << 16, compute=1 << 18,
+                           host_costs=dict(kv_cache=1 << 16, compute=1 << 18, overhead=1 << 20, code=0))
+
+
+@pytest.mark.parametrize("share", [0.25, 0.5, 0.75])
+def test_each_policy_stays_within_its_device_and_ours_is_never_predicted_slower(qwen2, share, monkeypatch):
+    problem = _problem(qwen2, share)
+    monkeypatch.setattr(placers, "evaluate", lambda p, pl: (None, _cost(p, pl)))
+    chosen = {}
+    for name in ("layers", "split", "oato", "auto"):
+        from flexoffload.placers import layers, ours, split
+
+        place = {"layers": layers.place, "split": split.place, "oato": oato.place, "auto": ours.place}[name]
+        p = place(problem)
+        assert problem.fits(p), name
+        chosen[name] = _cost(problem, p).seconds_per_token
+    o = oato.place(problem)
+    assert device_bytes(qwen2, o, problem.kv_cache, problem.compute)[0] <= oato.CAP * problem.budgets[0]
+    assert o.n_gpu_layers == 0 and o.placed  # per operator, KV cache at home
+    assert chosen["auto"] <= min(chosen.values()) + 1e-12
+    assert chosen["auto"] < chosen["oato"]  # over a link, per-operator visits cost round trips
+
+
+def _cost(problem, p):
+    from flexoffload.placement import predict
+
+    where = tensor_devices(problem.model, p)
+    return predict(problem.model, p, list(problem.devices), PROFILE, {n for n, d in where.items() if d == HOST}, 0,
+                   1)
+
+
+@pytest.mark.parametrize("spec,host,named", [("cpu=600M,rpc0=700M", 600 << 20, {"0": 700 << 20}),
+                                             ("1G", 1 << 30, {}),
+                                             ("a:1=1G,cpu=0.5x", None, {"a:1": 1 << 30})])
+def test_mem_names_each_device(qwen2, spec, host, named):
+    got_host, got = placers.parse_mem(spec, ["a:1", "b:2"], qwen2)
+    assert got == named and (host is None or got_host == host)
+
+
+@pytest.mark.parametrize("spec", ["rpc2=1G", "gpu=1G", "cpu=", "=1G"])
+def test_a_bad_device_budget_is_one_error(qwen2, spec):
+    with pytest.raises(FlexoffloadError):
+        placers.parse_mem(spec, ["a:1", "b:2"], qwen2)
+
+
+@pytest.fixture
+def one_machine():
+    with rpc.Machines(1, memory=512 << 20, rate="1gbit", threads=2) as machines:
+        yield machines
+
+
+def test_every_policy_gives_the_same_tokens_over_rpc(tmp_path, one_machine):
+    path = synth.write(tmp_path / "qwen2.gguf", synth.SHAPES["qwen2-tiny"])
+    endpoint = one_machine.endpoints[0]
+    request = api.Request(model=str(path), prompt="a b c d", n_predict=12, temp=0, n_ctx=256, n_batch=32)
+    alone = api.generate(dataclasses.replace(request, strategy="mmap"))
+    model = load(path)
+    device = int(0.6 * model.weight_bytes) + (4 << 20)
+    for policy in ("layers", "split", "oato", "auto"):
+        directory = tmp_path / policy
+        r = cli("plan", "-m", str(path), "--rpc", endpoint, "--mem", f"cpu=1G,rpc0={device}", "--placement", policy,
+                "-c", "256", "-b", "32", "-o", str(directory), check=True)
+        assert "predicted" in r.stdout
+        plan = plans.read(directory)
+        assert plan.placement["policy"] == policy and plan.placement["per_device"][0]["memory"] <= device
+        placed = api.generate(dataclasses.replace(request, plan_dir=str(directory), rpc=endpoint))
+        assert placed["tokens"] == alone["tokens"], policy
+    # run --rpc --mem without a saved plan: placed (auto) and run in one step
+    r = cli("run", "-m", str(path), "-p", "a b c d", "-n", "12", "--temp", "0", "-c", "256", "-b", "32", "--rpc",
+            endpoint, "--mem", f"cpu=1G,rpc0={device}", "--json", check=True)
+    import json
+
+    assert json.loads(r.stdout)["tokens"] == alone["tokens"]
