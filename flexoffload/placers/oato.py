@@ -4,7 +4,7 @@ Every weight-bearing operator (a matrix multiplication: its weight, with its bia
 B = (Tc - Tg) / M: the time it saves on the device per byte of device memory it takes. The transfer correction
 takes off T', the cost of moving its input there and its output back: B' = (Tc - Tg - T') / M. Operators are
 placed in descending B' while the device's memory stays under 90 % of its capacity (the cap leaves room for
-the framework's buffers). Times are the cost model's: Tc the host profile's, Tg the device profile's (its
+the framework's buffers; what the device holds counts its load and compute buffers too: placement.device_bytes). Times are the cost model's: Tc the host profile's, Tg the device profile's (its
 compute ratio and launch), T' its link's (a visit and the activations' bytes; the logits for the output matrix).
 
 As written, the order is followed whatever B' is: on a device no faster than the host (an RPC server on the same
@@ -38,13 +38,14 @@ def place(problem: Problem) -> Placement:
     placed: list[tuple[str, str]] = []
     chosen = set()
     for d, device in enumerate(problem.devices):
-        used = problem.compute  # the device's compute buffer
+        used, largest = 0, 0  # weights; beside them the larger of the load's buffer and the compute buffer
         ranked = sorted(operators, key=lambda op: -affinity(problem, device, op[0], sum(x.n_bytes for x in op[1])))
         for weight, tensors in ranked:
             n_bytes = sum(x.n_bytes for x in tensors)
-            if weight.name in chosen or used + n_bytes > CAP * problem.budgets[d]:
+            big = max(largest, weight.n_bytes)
+            if weight.name in chosen or used + n_bytes + max(big, problem.compute) > CAP * problem.budgets[d]:
                 continue
-            used += n_bytes
+            used, largest = used + n_bytes, big
             chosen.add(weight.name)
             placed += [(x.name, device.name) for x in tensors]
     order = {t.name: i for i, t in enumerate(model.tensors)}
