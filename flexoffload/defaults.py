@@ -17,6 +17,9 @@ POLICIES = ("balanced", "flexinfer", "attn-first", "ffn-first", "layer")
 
 # A streamed tensor larger than this is read in row chunks, each given back after its part of the matmul (patch
 # 0007: GGML_CPU_STREAMED_CHUNK_BYTES is the runtime's default, llama_stream_params.chunk_bytes (0008) sets it).
+# A tensor bound for a device loads in pieces of at most this many bytes (patch 0012's LLAMA_LOAD_PIECE_BYTES):
+# what its load holds beside the weights, on the host and on an RPC server.
+LOAD_PIECE_BYTES = 16 << 20
 CHUNK_BYTES = 16 << 20
 
 # Layers read ahead of compute by the prefetch strategy (FlexInfer's default); plans choose their own.

@@ -27,6 +27,7 @@ from pathlib import Path
 
 from . import FlexoffloadError
 from .costmodel import Pipeline, Profile, simulate
+from .defaults import LOAD_PIECE_BYTES
 from .model import Model, Tensor
 from .plan import CPU_BUFT, Memory, Plan
 
@@ -146,8 +147,19 @@ def output_device(model: Model, placement: Placement, where: Mapping[str, int]) 
     duplicates it onto the output head's device)."""
     if not model.tied_embeddings:
         return next(where[t.name] for t in model.tensors if t.kind == "output")
+    index = {name: i for i, name in enumerate(placement.devices)}
+    for name, buft in placement.placed:  # the copy has token_embd's name: an override of it moves the copy too
+        if name == "token_embd.weight":
+            return index.get(buft, HOST)
     return layer_devices(model.n_layer, placement.n_gpu_layers, placement.tensor_split,
                          len(placement.devices))[model.n_layer]
+
+
+def head_home(model: Model) -> tuple[tuple[str, str], ...]:
+    """Overrides keeping the output head on the host whatever the layer assignment: output_norm and the output
+    matrix (for tied embeddings, token_embd: its copy has its name, and the input lookup stays on the host)."""
+    return tuple((t.name, CPU_BUFT) for t in model.tensors
+                 if t.layer is None and (t.kind != "token_embd" or model.tied_embeddings))
 
 
 def kv_devices(model: Model, placement: Placement) -> list[int]:
@@ -278,39 +290,40 @@ def predict(model: Model, placement: Placement, devices: list[DeviceProfile], pr
 
 def device_bytes(model: Model, placement: Placement, kv_cache: int, compute: int) -> list[int]:
     """Memory each device needs: its weights (a tied token_embd's copy where the output head is), and the larger of
-    what loading them takes beside them (an RPC server receives a tensor whole into a buffer before it copies it
-    into place: its largest tensor) and what running takes (its blocks' share of the KV cache and a compute buffer
-    as large as the host's, an upper bound: it holds its splits' tensors). The load ends before the context is made."""
+    what loading them takes beside them (an RPC server receives each piece whole before it copies it into place:
+    load_piece) and what running takes (its blocks' share of the KV cache and a compute buffer as large as the
+    host's, an upper bound: it holds its splits' tensors). The load ends before the context is made."""
     where = tensor_devices(model, placement)
     used = [0] * len(placement.devices)
-    largest = [0] * len(placement.devices)
     for t in model.tensors:
         if where[t.name] != HOST:
             used[where[t.name]] += t.n_bytes
-            largest[where[t.name]] = max(largest[where[t.name]], t.n_bytes)
     if model.tied_embeddings:
         head = output_device(model, placement, where)
         if head != HOST:
-            embd = next(t.n_bytes for t in model.tensors if t.kind == "token_embd")
-            used[head] += embd
-            largest[head] = max(largest[head], embd)
+            used[head] += next(t.n_bytes for t in model.tensors if t.kind == "token_embd")
     running = [0] * len(placement.devices)
     for d in kv_devices(model, placement):
         if d != HOST:
             running[d] += kv_cache // max(model.n_layer, 1)
-    return [u + max(big, run + compute) if u else 0 for u, big, run in zip(used, largest, running)]
+    piece = load_piece(model, placement)
+    return [u + max(piece, run + compute) if u else 0 for u, run in zip(used, running)]
 
 
-def load_bytes(model: Model, placement: Placement) -> int:
-    """Host memory loading a device's weights takes while it lasts: llama.cpp's loader reads a tensor bound for a
-    device into a buffer of its size, and the RPC client copies it into the message it sends (ggml-rpc.cpp,
-    serialize_set_tensor), so twice the largest tensor placed on a device (the output matrix: 2 x 183 MiB on the
-    1.5B). A run that leaves no room for it is killed loading (measured at a 700 MiB client)."""
+def load_piece(model: Model, placement: Placement) -> int:
+    """The largest piece a device's weights load in: llama.cpp reads a tensor bound for a device in pieces of at
+    most LOAD_PIECE_BYTES (patch 0012; it read and sent it whole before: 183 MiB for the 1.5B's output matrix)."""
     where = tensor_devices(model, placement)
     sizes = [t.n_bytes for t in model.tensors if where[t.name] != HOST]
     if model.tied_embeddings and output_device(model, placement, where) != HOST:
         sizes += [t.n_bytes for t in model.tensors if t.kind == "token_embd"]
-    return 2 * max(sizes, default=0)
+    return min(max(sizes, default=0), LOAD_PIECE_BYTES)
+
+
+def load_bytes(model: Model, placement: Placement) -> int:
+    """Host memory loading the devices' weights takes while it lasts: a piece read from the file, and the copy of
+    it the RPC client serializes into its message (ggml-rpc.cpp, serialize_set_tensor)."""
+    return 2 * load_piece(model, placement)
 
 
 def host_view(model: Model, on_devices: Collection[str]) -> Model:
@@ -324,12 +337,10 @@ def to_plan(model: Model, placement: Placement, host: Plan, cost: Cost, device_m
             device_budgets: Mapping[str, int]) -> Plan:
     """The host's streaming plan with the placement's tensors on their devices (placed), its prediction replaced
     by the placement's."""
-    where = tensor_devices(model, placement)
-    by_layers = tensor_devices(model, replace(placement, placed=()))
-    # a tensor the layer assignment puts where it is needs no override; the others (on a device, or sent back to
-    # the CPU) get a line in tensors.ot
-    buft = (CPU_BUFT,) + placement.devices  # by device index + 1
-    placed = tuple((t.name, buft[where[t.name] + 1]) for t in model.tensors if where[t.name] != by_layers[t.name])
+    # the placement's overrides, as tensors.ot lines (what the layer assignment places needs none); a tensor kept
+    # home that the host streams needs none either: its STREAMED line comes first, and is on the host
+    streamed = set(host.streamed)
+    placed = tuple((n, b) for n, b in placement.placed if not (b == CPU_BUFT and n in streamed))
     devices = [{"name": name, "budget": device_budgets.get(name, 0), "memory": device_memory[i],
                 "compute_s": cost.device_compute_s[i]} for i, name in enumerate(placement.devices)]
     return replace(host, policy=f"{placement.policy}+{host.policy}", placed=placed,

@@ -16,6 +16,7 @@ operator). With more than one device, the first is filled before the next (the p
 from __future__ import annotations
 
 from ..costmodel import MATMUL_KINDS
+from ..defaults import LOAD_PIECE_BYTES
 from ..placement import DeviceProfile, Placement
 from . import Problem
 
@@ -38,11 +39,11 @@ def place(problem: Problem) -> Placement:
     placed: list[tuple[str, str]] = []
     chosen = set()
     for d, device in enumerate(problem.devices):
-        used, largest = 0, 0  # weights; beside them the larger of the load's buffer and the compute buffer
+        used, largest = 0, 0  # weights; beside them the larger of the load's piece and the compute buffer
         ranked = sorted(operators, key=lambda op: -affinity(problem, device, op[0], sum(x.n_bytes for x in op[1])))
         for weight, tensors in ranked:
             n_bytes = sum(x.n_bytes for x in tensors)
-            big = max(largest, weight.n_bytes)
+            big = max(largest, min(weight.n_bytes, LOAD_PIECE_BYTES))
             if weight.name in chosen or used + n_bytes + max(big, problem.compute) > CAP * problem.budgets[d]:
                 continue
             used, largest = used + n_bytes, big

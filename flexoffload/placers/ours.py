@@ -10,8 +10,7 @@ token: on a link every visit costs round trips, which is why per-operator placem
 
 from __future__ import annotations
 
-from ..placement import Placement
-from ..plan import CPU_BUFT
+from ..placement import Placement, head_home
 from . import Problem, evaluate, layer_counts, layers, oato, split
 
 FINALISTS = 4  # candidates whose host tier is planned in full
@@ -20,13 +19,12 @@ FINALISTS = 4  # candidates whose host tier is planned in full
 def candidates(problem: Problem) -> list[Placement]:
     model, names = problem.model, problem.names
     out = []
-    head = [t.name for t in model.tensors if t.layer is None and t.kind != "token_embd"]
     for n in range(0, model.n_layer + 2):
         for counts in layer_counts(model, n, len(names)) if n else [[0] * len(names)]:
             p = Placement("auto", names, n, tuple(float(c) for c in counts) if len(names) > 1 else ())
             if n and problem.fits(p):
                 out.append(p)
-                out.append(Placement("auto", names, n, p.tensor_split, tuple((x, CPU_BUFT) for x in head)))
+                out.append(Placement("auto", names, n, p.tensor_split, head_home(model)))
             elif not n:
                 out.append(p)
     return out
