@@ -200,17 +200,22 @@ def bench(model_spec, mems, strategies, repetitions, n_predict, prompt, ctx_size
 @click.option("--ops", is_flag=True,
               help="time every weight's operator (MUL_MAT, GET_ROWS) for a decoded token and a prompt ubatch")
 @click.option("-b", "--batch-size", default=64, show_default=True, help="with --ops: the prompt ubatch timed")
+@click.option("--rpc", "rpc", metavar="HOST:PORT,...",
+              help="with --ops: each RPC server's device as well (its compute against this CPU's, a visit's cost, "
+                   "its link), from whole tokens with layers placed on it")
 @click.option("--json", "as_json", is_flag=True)
 @_errors_as_one_line
-def profile(model_spec, threads, remeasure, ops, batch_size, as_json):
+def profile(model_spec, threads, remeasure, ops, batch_size, rpc, as_json):
     """Measure disk bandwidth and compute speed for the cost model (cached per model file)."""
     from . import profile as profiler
     from .costmodel import compute_seconds
     from .model import load
 
     model = load(catalog.resolve(model_spec))
+    if rpc and not ops:
+        raise FlexoffloadError("--rpc profiles the servers' devices with --ops")
     if ops:
-        _profile_ops(model, threads, batch_size, remeasure, as_json)
+        _profile_ops(model, threads, batch_size, remeasure, as_json, rpc)
         return
     p = profiler.measure(model, threads, remeasure=remeasure)
     tok_s = 1.0 / compute_seconds(model, p)
@@ -359,13 +364,18 @@ def info(model_spec, as_json):
                f"file {format_size(model.file_size)}")
 
 
-def _profile_ops(model, threads: int, n_batch: int, remeasure: bool, as_json: bool) -> None:
-    """`profile --ops`: the operator table, by kind (summed over the layers) and in all."""
-    from . import opprofile
+def _profile_ops(model, threads: int, n_batch: int, remeasure: bool, as_json: bool, rpc: str | None) -> None:
+    """`profile --ops`: the operator table, by kind (summed over the layers) and in all; with --rpc, each server's
+    device profile after it."""
+    from . import devices, opprofile
 
+    endpoints = devices.parse_endpoints(rpc) if rpc else []
+    for endpoint in endpoints:
+        devices.probe_rpc(endpoint)
     p = opprofile.cached(model, threads, n_batch, remeasure)
+    measured = {e: opprofile.device_cached(model, e, threads, remeasure) for e in endpoints}
     if as_json:
-        click.echo(json.dumps(p.to_dict()))
+        click.echo(json.dumps({**p.to_dict(), "devices": measured}))
         return
     kinds = {t.name: t.kind for t in model.tensors}
     decode, prompt = {}, {}
@@ -380,6 +390,10 @@ def _profile_ops(model, threads: int, n_batch: int, remeasure: bool, as_json: bo
     click.echo(f"{'other ops':<14} {p.others_decode_s * 1e3:>10.3f}")
     click.echo(f"a decoded token: {total * 1e3:.2f} ms ({1 / total:.2f} tok/s); a ubatch: "
                f"{sum(p.prompt.values()) * 1e3:.1f} ms in its weights' operators; {len(p.decode)} tensors")
+    for endpoint, d in measured.items():
+        click.echo(f"RPC server {endpoint}: compute {d['compute_ratio']:.2f}x this CPU's time, "
+                   f"{d['visit_s'] * 1e3:.2f} ms a visit, link {d['bandwidth'] / 1e6:.0f} MB/s (round trip "
+                   f"{d['measured']['latency_s'] * 1e6:.0f} us)")
 
 
 # --- devices ----------------------------------------------------------------------------------

@@ -62,10 +62,15 @@ def _problem(model, share):
 @pytest.mark.parametrize("share", [0.25, 0.5, 0.75])
 def test_each_policy_stays_within_its_device_and_ours_is_never_predicted_slower(qwen2, share, monkeypatch):
     problem = _problem(qwen2, share)
-    monkeypatch.setattr(placers, "evaluate", lambda p, pl: (None, _cost(p, pl)))
+    from types import SimpleNamespace
+
+    from flexoffload.placers import ours
+
+    # the host keeps all it has (no streaming): the placement alone decides
+    monkeypatch.setattr(ours, "evaluate", lambda p, pl: (SimpleNamespace(streamed=()), _cost(p, pl)))
     chosen = {}
     for name in ("layers", "split", "oato", "auto"):
-        from flexoffload.placers import layers, ours, split
+        from flexoffload.placers import layers, split
 
         place = {"layers": layers.place, "split": split.place, "oato": oato.place, "auto": ours.place}[name]
         p = place(problem)
@@ -74,7 +79,7 @@ def test_each_policy_stays_within_its_device_and_ours_is_never_predicted_slower(
     o = oato.place(problem)
     assert device_bytes(qwen2, o, problem.kv_cache, problem.compute)[0] <= oato.CAP * problem.budgets[0]
     assert o.n_gpu_layers == 0 and o.placed  # per operator, KV cache at home
-    assert chosen["auto"] <= min(chosen.values()) + 1e-12
+    assert chosen["auto"] <= min(chosen.values()) * (1 + ours.TIE)
     assert chosen["auto"] < chosen["oato"]  # over a link, per-operator visits cost round trips
 
 
