@@ -124,7 +124,7 @@ def plan_for_run(model, r: Request, limit: int | None, n_outputs: int = 1, n_seq
         plan = plans.read(r.plan_dir)
         plans.check_fits(plan, model, limit, r.plan_dir)
         return plan
-    if r.rpc and r.strategy == "stream":  # placed across the servers' devices, the host's share planned too
+    if r.rpc and r.mem and r.strategy == "stream":  # placed across the servers' devices, the host's share too
         from . import placers
         from . import devices
 

@@ -132,8 +132,8 @@ def main() -> None:
             from . import rpc
 
             rpc.spin_briefly()
-            model_path, endpoint, n_threads = sys.argv[2], sys.argv[3], int(sys.argv[4])
-            print(json.dumps(measure_device(model_path, endpoint, n_threads)))
+            model_path, endpoint, n_threads, budget = sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
+            print(json.dumps(measure_device(model_path, endpoint, n_threads, budget or None)))
             return
         model_path, n_threads, n_batch = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
         print(json.dumps(measure(model_path, n_threads, n_batch).to_dict()))
@@ -146,6 +146,7 @@ def main() -> None:
 
 DEVICE_PROMPT = "def quicksort(arr):\n"
 DEVICE_TOKENS = 24
+DEVICE_CTX, DEVICE_BATCH = 256, 64
 
 
 def device_layers(n_layer: int) -> tuple[int, ...]:
@@ -156,30 +157,55 @@ def device_layers(n_layer: int) -> tuple[int, ...]:
 def _decode_seconds(model_path: str, n_threads: int, rpc: tuple[str, ...] = (), n_gpu_layers: int = 0,
                     placed: tuple[tuple[str, str], ...] = ()) -> float:
     """Seconds a decoded token takes with the trailing n_gpu_layers layers on the RPC devices (all weights in
-    memory): the faster of two generations."""
+    memory, read in: a device's arrive in pieces, patch 0012): the faster of two generations."""
     from . import engine
 
-    settings = engine.Settings(n_ctx=256, n_batch=64, n_threads=n_threads, strategy="mmap", temp=0, rpc=rpc,
+    settings = engine.Settings(n_ctx=DEVICE_CTX, n_batch=DEVICE_BATCH, n_threads=n_threads, strategy="stream", temp=0,
+                               rpc=rpc,
                                n_gpu_layers=n_gpu_layers, placed_patterns=placed)
     with engine.Engine(model_path, settings) as eng:
         best = min(eng.generate(DEVICE_PROMPT, DEVICE_TOKENS).decode_tok_s for _ in range(2))
     return 1.0 / best
 
 
-def measure_device(model_path: str, endpoint: str, n_threads: int) -> dict:
-    """The profile of an RPC server's (first) device (placement.DeviceProfile's fields) from whole tokens as llama.cpp's scheduler runs
-    them: the model all on the host (A), all but the input on the device (B: -ngl n_layer+1), and the trailing half
-    on it (C). Both B and C visit the device once a token, so
-        s_X - host_X - bytes_X / bandwidth = ratio * device_X + visit,
-    with host_X and device_X the cost model's compute of the operators each side runs (the host's scaled to A),
-    gives the device's compute ratio and its visit's cost; the bandwidth is its link's (devices.measure_link).
-    Per-operator timing through the eval callback would pay a round trip per node on RPC, larger than most
-    nodes' compute, so whole tokens are timed instead."""
+def device_configs(model, budget: int | None) -> list[tuple[str, object]]:
+    """The placements a device is timed with, those its budget holds (as the placers count a device's memory, at
+    the profile's context): -ngl runs visit it once a token; every block's ffn_down there (-ot; attention on the
+    host) visits it once a block (as many blocks' as fit)."""
+    from .placement import Placement, device_bytes
+    from .planners import run_costs
+
+    costs = run_costs(model, DEVICE_CTX, DEVICE_BATCH) if budget is not None else {}
+
+    def fits(p) -> bool:
+        return budget is None or device_bytes(model, p, costs["kv_cache"], costs["compute"])[0] <= budget
+
+    configs = [(f"-ngl {n}", Placement("profile", ("RPC0",), n)) for n in device_layers(model.n_layer)]
+    configs = [(name, p) for name, p in configs if fits(p)]
+    downs: list[tuple[str, str]] = []
+    for t in model.tensors:
+        if t.kind == "ffn_down" and fits(Placement("profile", ("RPC0",), 0, (), tuple(downs + [(t.name, "RPC0")]))):
+            downs.append((t.name, "RPC0"))
+    if len(configs) < 2 or len(downs) < 2:
+        raise FlexoffloadError(f"a device of {budget / (1 << 20):.1f} MiB cannot hold enough of {model.path.name} to be "
+                               f"profiled (two placements of layers and two blocks' ffn_down)")
+    return configs + [(f"ffn_down of {len(downs)} blocks", Placement("profile", ("RPC0",), 0, (), tuple(downs)))]
+
+
+def measure_device(model_path: str, endpoint: str, n_threads: int, budget: int | None = None) -> dict:
+    """The profile of an RPC server's (first) device (placement.DeviceProfile's fields), from whole tokens as
+    llama.cpp's scheduler runs them: the model all on the host, then each of device_configs. With host_X and
+    device_X the cost model's compute of the operators each side runs (the host's scaled to the all-host run),
+        s_X - host_X - bytes_X / bandwidth = ratio * device_X + visit * visits_X,
+    and least squares over the configurations give the device's compute ratio and its visit's cost; the bandwidth
+    is its link's (devices.measure_link). Per-operator timing through the eval callback would pay a round trip per
+    node on RPC, larger than most nodes' compute, so whole tokens are timed instead."""
     from . import devices, profile
     from .model import load
     from .placement import DeviceProfile, Placement, Walk
 
     model = load(model_path)
+    configs = device_configs(model, budget)
     link = devices.measure_link(endpoint)
     bandwidth = min(link.send_bw, link.recv_bw)
     host_profile = profile.measure(model, n_threads)
@@ -187,11 +213,6 @@ def measure_device(model_path: str, endpoint: str, n_threads: int) -> dict:
     s_a = _decode_seconds(model_path, n_threads)
     scale = s_a / Walk(model, Placement("profile", ("RPC0",)), unit, host_profile).host  # measured over modelled
     device = devices.probe_rpc(endpoint)[0].name
-    # -ngl runs visit the device once a token; every block's ffn_down there (-ot, attention on the host) visits it
-    # once a block
-    configs = [(f"-ngl {n}", Placement("profile", ("RPC0",), n)) for n in device_layers(model.n_layer)]
-    downs = tuple((t.name, "RPC0") for t in model.tensors if t.kind == "ffn_down")
-    configs.append(("ffn_down of every block", Placement("profile", ("RPC0",), 0, (), downs)))
     rows = []  # (config, seconds measured, what the device computes in the cost model's terms, visits)
     for name, placement in configs:
         placed = tuple((f"^{n.replace('.', chr(92) + '.')}$", device) for n, _ in placement.placed)
@@ -212,21 +233,22 @@ def measure_device(model_path: str, endpoint: str, n_threads: int) -> dict:
                          "runs": [{"config": n, "seconds": s, "visits": v} for n, s, _, _, v in rows]}}
 
 
-def device_cached(model, endpoint: str, n_threads: int, remeasure: bool = False) -> dict:
+def device_cached(model, endpoint: str, n_threads: int, remeasure: bool = False, budget: int | None = None) -> dict:
     """measure_device in a child process (llama.cpp aborts the process when an RPC server fails), cached per model
-    file, server and threads; the profile's name is left for the caller (the device's buffer type)."""
+    file, server and threads (a budget only limits what is placed to time it); the profile's name is left for the
+    caller (the device's buffer type)."""
     import subprocess
     import sys
 
     safe = endpoint.replace(":", "_")
-    path = cache_dir() / "devices" / f"{file_key(model.path)}-{safe}-t{n_threads}-v2.json"
+    path = cache_dir() / "devices" / f"{file_key(model.path)}-{safe}-t{n_threads}-v3.json"
     if path.exists() and not remeasure:
         return json.loads(path.read_text())
     r = subprocess.run([sys.executable, "-m", "flexoffload.opprofile", "--device", str(model.path), endpoint,
-                        str(n_threads)], capture_output=True, text=True, timeout=1800)
+                        str(n_threads), str(budget or 0)], capture_output=True, text=True, timeout=1800)
     if r.returncode != 0:
         last = [line for line in r.stderr.splitlines() if line.strip()][-1:] or [f"exit {r.returncode}"]
-        raise FlexoffloadError(f"profiling the device at {endpoint} failed: {last[0]}")
+        raise FlexoffloadError(f"profiling the device at {endpoint} failed: {last[0].removeprefix('flexoffload: ')}")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(r.stdout)
     return json.loads(r.stdout)

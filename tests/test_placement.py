@@ -133,3 +133,21 @@ def test_every_policy_gives_the_same_tokens_over_rpc(tmp_path, one_machine):
     import json
 
     assert json.loads(r.stdout)["tokens"] == alone["tokens"]
+
+
+def test_a_tensor_bound_for_a_device_loads_in_pieces(tmp_path):
+    """Patch 0012: the server's memory while it loads a 56 MiB output matrix grows by the matrix and a piece, not
+    by twice the matrix (it received the matrix whole before, beside the copy it keeps)."""
+    from flexoffload.defaults import LOAD_PIECE_BYTES
+
+    shape = synth.Shape(n_layer=1, n_embd=512, n_ff=256, n_head=8, n_head_kv=2, n_vocab=196608, n_ctx_train=512)
+    path = synth.write(tmp_path / "wide.gguf", shape)
+    output = next(t.n_bytes for t in load(path).tensors if t.kind == "output")
+    assert output > 3 * LOAD_PIECE_BYTES
+    with rpc.Machines(1, memory=1 << 30, rate="10gbit", threads=1) as machines:
+        idle = machines.peaks()[0]
+        request = api.Request(model=str(path), prompt="a b", n_predict=2, temp=0, n_ctx=64, n_batch=16,
+                              rpc=machines.endpoints[0], n_gpu_layers=1, strategy="stream")  # the output head only
+        api.generate(request)
+        grew = machines.peaks()[0] - idle
+    assert output <= grew < output + LOAD_PIECE_BYTES + (24 << 20)  # + its compute buffer and the server's own

@@ -177,9 +177,10 @@ def for_endpoints(model: Model, endpoints: list[str], mem: str | None, policy: s
     profiles, budgets = [], []
     for i, endpoint in enumerate(endpoints):
         device = devices.probe_rpc(endpoint)[0]
-        measured = opprofile.device_cached(model, endpoint, n_threads)
+        budget = named.get(str(i), named.get(endpoint, device.free))
+        measured = opprofile.device_cached(model, endpoint, n_threads, budget=budget)
         profiles.append(DeviceProfile.from_dict({**{k: v for k, v in measured.items() if k != "measured"},
                                                  "name": device.name}))
-        budgets.append(named.get(str(i), named.get(endpoint, device.free)))
+        budgets.append(budget)
     problem = problem_for(model, profiles, budgets, host, profile, n_ctx, n_batch, io_threads)
     return solve(problem, policy)
