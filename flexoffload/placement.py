@@ -117,11 +117,6 @@ def layer_devices(n_layer: int, n_gpu_layers: int, tensor_split: tuple[float, ..
     return out
 
 
-def split_for(counts: list[int]) -> tuple[float, ...]:
-    """The tensor_split giving device j exactly counts[j] of the offloaded layers (in order)."""
-    return tuple(float(c) for c in counts)
-
-
 def tensor_devices(model: Model, placement: Placement) -> dict[str, int]:
     """The device index of every weight under a placement (token_embd, the input, always starts on the host)."""
     layers = layer_devices(model.n_layer, placement.n_gpu_layers, placement.tensor_split, len(placement.devices))

@@ -33,7 +33,7 @@ def test_layers_go_where_llama_cpp_sends_them():
     assert layer_devices(28, 7, (), 1) == [HOST] * 22 + [0] * 7
     assert layer_devices(28, 0, (), 1) == [HOST] * 29
     assert layer_devices(28, 99, (), 2) == [0] * 15 + [1] * 14  # upstream's equal split: positions k/29 < 0.5
-    for counts in placers.layer_counts(None, 9, 3):
+    for counts in placers.layer_counts(9, 3):
         got = Counter(layer_devices(28, 9, tuple(map(float, counts)), 3))
         assert [got[d] for d in range(3)] == counts and got[HOST] == 20
 

@@ -12,7 +12,7 @@ whole (placement.predict). Three tiers, each with its own budget: a device's mem
   (any split of the trailing layers, the output head on a device or kept home) and the other policies' placements.
 
 A device's budget is what its buffers may take (weights, its layers' KV cache, a compute buffer); the server's own
-process needs a little more (scripts/rpc_machines adds it to the machine's cgroup).
+process needs ~20 MiB more (scripts/repro_oato gives each machine's cgroup 48 MiB beside the budget).
 """
 
 from __future__ import annotations
@@ -75,13 +75,13 @@ class Problem:
         return cost.seconds_per_token + missing / self.profile.disk_bw
 
 
-def layer_counts(model: Model, n_gpu_layers: int, n_devices: int) -> list[list[int]]:
+def layer_counts(n_gpu_layers: int, n_devices: int) -> list[list[int]]:
     """Every way of giving n_devices devices the trailing n_gpu_layers layers in order (counts per device)."""
     if n_devices == 1:
         return [[n_gpu_layers]]
     out = []
     for first in range(n_gpu_layers + 1):
-        out += [[first] + rest for rest in layer_counts(model, n_gpu_layers - first, n_devices - 1)]
+        out += [[first] + rest for rest in layer_counts(n_gpu_layers - first, n_devices - 1)]
     return out
 
 
@@ -135,9 +135,6 @@ def problem_for(model: Model, devices: list[DeviceProfile], budgets: list[int], 
     costs = run_costs(model, n_ctx, n_batch, budget=host_budget)
     return Problem(model, tuple(devices), tuple(budgets), host_budget, profile, costs["kv_cache"],
                    costs["compute"], costs, io_threads, n_ctx, n_batch)
-
-
-
 
 
 def parse_mem(spec: str, endpoints: list[str], model: Model) -> tuple[int | None, dict[str, int]]:

@@ -22,19 +22,22 @@ FINALISTS = 4  # candidates whose host tier is planned in full
 # 0.8 % slower) and measured 2.5 % slower, within noise; at 75 %, a layout streaming 22 MiB was predicted 0.1 %
 # faster and measured 9 % slower (results/oato_rpc_qwen1.5b_first.csv).
 TIE = 0.01
+MAX_SPLIT_DEVICES = 3  # beyond, the splits of the layers are too many to enumerate
 
 
 def candidates(problem: Problem) -> list[Placement]:
+    """Every -ngl with every split of its layers among the devices (with more than MAX_SPLIT_DEVICES, only the split
+    in proportion to their budgets), each with the output head where the assignment puts it or kept home."""
     model, names = problem.model, problem.names
-    out = []
-    for n in range(0, model.n_layer + 2):
-        for counts in layer_counts(model, n, len(names)) if n else [[0] * len(names)]:
-            p = Placement("auto", names, n, tuple(float(c) for c in counts) if len(names) > 1 else ())
-            if n and problem.fits(p):
-                out.append(p)
-                out.append(Placement("auto", names, n, p.tensor_split, head_home(model)))
-            elif not n:
-                out.append(p)
+    out = [Placement("auto", names, 0)]
+    for n in range(1, model.n_layer + 2):
+        if len(names) <= MAX_SPLIT_DEVICES:
+            splits = layer_counts(n, len(names))
+        else:
+            splits = [[b / sum(problem.budgets) * n for b in problem.budgets]]
+        for counts in splits:
+            split = tuple(float(c) for c in counts) if len(names) > 1 else ()
+            out += [Placement("auto", names, n, split), Placement("auto", names, n, split, head_home(model))]
     return out
 
 
