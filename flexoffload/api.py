@@ -62,6 +62,8 @@ class Request:
     rpc: str | None = None  # RPC servers (HOST:PORT,...) the plan places tensors on
     n_gpu_layers: int = 0  # with rpc: the last layers offloaded to the servers' devices, as llama.cpp's -ngl
     placement: str = "auto"  # with rpc and --mem: how weights are placed across the devices (placers)
+    n_ubatch: int = 0  # tokens a forward pass computes at once (-ub); 0: n_batch
+    flash_attn: str = "auto"  # on, off, auto (-fa)
     tuned: bool = True  # stream by a plan --tune made for this model, budget and machine, where there is one
     verbose: bool = False
 
@@ -90,6 +92,10 @@ def _check(r: Request) -> None:
         raise FlexoffloadError("--window, --io-threads and --plan stream weights: not with --strategy mmap")
     if not r.prompt:
         raise FlexoffloadError("no prompt: give one with -p TEXT or -f FILE")
+    if r.n_ubatch < 0 or r.n_ubatch > r.n_batch or r.flash_attn not in ("on", "off", "auto"):
+        raise FlexoffloadError("-ub must be between 1 and -b, -fa one of on, off, auto")
+    if (r.n_ubatch or r.flash_attn != "auto") and r.draft:
+        raise FlexoffloadError("-ub and -fa are for a run without -md, for now")
     if r.spec not in ("tree", "chain"):
         raise FlexoffloadError(f"unknown speculation shape {r.spec!r}: tree or chain")
     if r.rpc:
@@ -140,6 +146,16 @@ def plan_for_run(model, r: Request, limit: int | None, n_outputs: int = 1, n_seq
         policy, window = "none", 0 if r.strategy == "sync" else (WINDOW if window is None else window)
     elif limit is None:
         return None
+    if (r.n_ubatch and r.n_ubatch != r.n_batch) or r.flash_attn != "auto":
+        # the ubatch and the attention path set the compute buffers: their costs from llama.cpp's dry run
+        from . import stepmem
+        from .planners import make_plan
+
+        budget = limit if limit is not None else 4 * model.file_size + (1 << 30)
+        setting = stepmem.Setting(r.n_ctx, min(r.n_ubatch or r.n_batch, r.n_ctx),
+                                  "on" if r.flash_attn == "auto" else r.flash_attn, n_outputs=n_outputs)
+        return make_plan(model, budget, policy, profiler.measure(model, r.n_threads), window=window,
+                         io_threads=r.io_threads or IO_THREADS, **stepmem.run_costs(model, setting, budget))
     return plan_budget(model, limit if limit is not None else 4 * model.file_size + (1 << 30), policy,
                        profiler.measure(model, r.n_threads), n_ctx=r.n_ctx, n_batch=r.n_batch, window=window,
                        io_threads=r.io_threads or IO_THREADS, n_outputs=n_outputs, n_seq_max=n_seq_max, draft=draft)
@@ -255,6 +271,7 @@ def run_prepared(p: Prepared, on_text=None) -> dict:
         streamed_patterns=tuple(p for p, b in pairs if b == plans.STREAMED_BUFT),
         placed_patterns=tuple((p, b) for p, b in pairs if b != plans.STREAMED_BUFT),
         rpc=tuple(devices.parse_endpoints(r.rpc)) if r.rpc else (),
+        n_ubatch=r.n_ubatch, flash_attn=r.flash_attn,
         n_gpu_layers=plan.placement["n_gpu_layers"] if plan and plan.placement else r.n_gpu_layers,
         tensor_split=tuple(plan.placement["tensor_split"]) if plan and plan.placement else (),
         window=(r.window if r.window is not None else plan.window) if plan else 0,

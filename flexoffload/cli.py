@@ -240,16 +240,23 @@ def profile(model_spec, threads, remeasure, ops, batch_size, rpc, as_json):
 @click.option("-t", "--threads", default=os.cpu_count() or 1, show_default=True)
 @click.option("--window", type=int, default=None, help="prefetch window in layers [default: the fastest predicted]")
 @click.option("--io-threads", default=4, show_default=True)
-@click.option("-o", "--output", "out_dir", required=True, type=click.Path(file_okay=False),
+@click.option("-o", "--output", "out_dir", type=click.Path(file_okay=False),
               help="directory for tensors.ot and plan.json")
 @click.option("--tune", "tune_best", type=int, default=None, is_flag=False, flag_value=3, metavar="[N]",
               help="measure the N best predicted plans (3) and every baseline policy under the enforced budget, "
                    "keep the fastest (run --mem then uses it)")
 @click.option("--tune-rounds", default=2, show_default=True, help="runs of each candidate, in turn")
+@click.option("--max-prompt", is_flag=True,
+              help="report the longest prompt --mem holds (and the ubatch it needs), instead of writing a plan")
+@click.option("--prompt-len", type=int, default=None, metavar="L",
+              help="report a prefill of L tokens step by step at each ubatch (memory: its peak and what it leaves)")
+@click.option("-n", "--n-predict", default=0, show_default=True, help="with --max-prompt: tokens to generate after it")
+@click.option("-fa", "--flash-attn", type=click.Choice(["on", "off"]), default="on", show_default=True,
+              help="with --max-prompt or --prompt-len: llama.cpp's attention path")
 @click.option("--json", "as_json", is_flag=True)
 @_errors_as_one_line
 def plan(model_spec, mem, policy, rpc, placement, ctx_size, batch_size, threads, window, io_threads, out_dir, tune_best,
-         tune_rounds, as_json):
+         tune_rounds, max_prompt, prompt_len, n_predict, flash_attn, as_json):
     """Choose which tensors stay resident under a budget; write tensors.ot and plan.json."""
     from . import plan as plans
     from . import profile as profiler
@@ -257,6 +264,11 @@ def plan(model_spec, mem, policy, rpc, placement, ctx_size, batch_size, threads,
     from .planners import plan_budget
 
     model = load(catalog.resolve(model_spec))
+    if max_prompt or prompt_len is not None:
+        _plan_prompt(model, mem, max_prompt, prompt_len, n_predict, flash_attn, as_json)
+        return
+    if out_dir is None:
+        raise FlexoffloadError("plan writes its files to -o DIR")
     profile = profiler.measure(model, threads)
     if rpc:
         _plan_placement(model, rpc, mem, placement, profile, threads, ctx_size, batch_size, io_threads, out_dir,
@@ -289,6 +301,51 @@ def plan(model_spec, mem, policy, rpc, placement, ctx_size, batch_size, threads,
         from . import tune
 
         click.echo("  tuned: the candidates, measured under the budget\n" + tune.describe(p))
+
+
+def _plan_prompt(model, mem, max_prompt, prompt_len, n_predict, flash_attn, as_json):
+    """`plan --max-prompt` and `plan --prompt-len L`: long prompts under a budget (stepmem.py)."""
+    from . import stepmem
+
+    budget = budgets.parse_size(mem, model.file_size)
+    if max_prompt:
+        found = stepmem.max_prompt(model, budget, n_predict, flash_attn)
+        if as_json:
+            click.echo(json.dumps({"budget": budget, "longest": None if found is None else found.__dict__}))
+            return
+        if found is None:
+            raise FlexoffloadError(f"{format_size(budget)} holds no prompt of {model.path.name}: the minimum is "
+                                   f"{format_size(stepmem.minimum(model, stepmem.Setting(stepmem.CELLS, 32)), up=True)}")
+        click.echo(f"{model.path.name} at {format_size(budget)}: prompts up to {found.n_prompt} tokens"
+                   f"{f' (and {n_predict} generated)' if n_predict else ''}, with a ubatch of {found.n_ubatch}: "
+                   f"KV cache {found.kv_cache / MiB:.0f} MiB, compute {found.compute / MiB:.0f} MiB, the run needs "
+                   f"{format_size(found.minimum, up=True)} (flash attention {flash_attn})")
+        return
+    if prompt_len < 1 or prompt_len > model.n_ctx_train:
+        raise FlexoffloadError(f"--prompt-len {prompt_len}: between 1 and the trained context, {model.n_ctx_train}")
+    n_ctx = stepmem.cells_for(prompt_len + n_predict)
+    rows = []
+    for u in stepmem.UBATCHES:
+        setting = stepmem.Setting(n_ctx, min(u, n_ctx), flash_attn)
+        costs = stepmem.run_costs(model, setting, budget)
+        rows.append({"n_ubatch": setting.n_ubatch, "passes": -(-prompt_len // setting.n_ubatch),
+                     "minimum": stepmem.minimum(model, setting, costs), "kv_cache": costs["kv_cache"],
+                     "compute": costs["compute"],
+                     "steps": stepmem.steps(model, setting.n_ubatch, n_ctx, flash_attn == "on")})
+    if as_json:
+        click.echo(json.dumps({"budget": budget, "n_ctx": n_ctx, "ubatches": rows}))
+        return
+    click.echo(f"{model.path.name}: a prefill of {prompt_len} tokens, {n_ctx} cells, flash attention {flash_attn}; "
+               f"MiB")
+    names = "  ".join(step["step"] for step in rows[0]["steps"])
+    click.echo(f"{'ubatch':>6} {'passes':>6} {'KV':>6} {'compute':>8} {'minimum':>8}  {names} (a layer's "
+               f"activations at each step's peak)")
+    for r in rows:
+        fits = "" if r["minimum"] <= budget else "  (over the budget)"
+        peaks = "  ".join(f"{x['peak'] / MiB:.1f}" for x in r["steps"])
+        click.echo(f"{r['n_ubatch']:>6} {r['passes']:>6} {r['kv_cache'] / MiB:>6.0f} {r['compute'] / MiB:>8.1f} "
+                   f"{r['minimum'] / MiB:>8.0f}  "
+                   f"{peaks}{fits}")
 
 
 def _plan_placement(model, rpc, mem, placement, profile, threads, n_ctx, n_batch, io_threads, out_dir, as_json):

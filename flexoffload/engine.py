@@ -38,6 +38,10 @@ class Settings:
     chunk_bytes: int = CHUNK_BYTES  # streamed tensors larger than this are read in row chunks
     n_outputs: int = 1  # logits rows one forward pass returns (a speculation tree needs one per node)
     n_seq_max: int = 1  # sequences in the KV cache (a speculation tree: one per branch, in one unified cache)
+    n_ubatch: int = 0  # tokens a forward pass computes at once (llama.cpp's -ub); 0: n_batch
+    flash_attn: str = "auto"  # on, off, or auto (llama.cpp decides: on for this CPU backend)
+    type_k: str = "f16"  # the KV cache's types (-ctk, -ctv); a quantized V needs flash attention
+    type_v: str = "f16"
     rpc: tuple[str, ...] = ()  # RPC servers (HOST:PORT) whose devices tensors may be placed on
     n_gpu_layers: int = 0  # with rpc: the last layers llama.cpp offloads to those devices, KV cache with them (-ngl)
     tensor_split: tuple[float, ...] = ()  # with rpc: their shares of those layers per device (-ts); () upstream's
@@ -176,12 +180,18 @@ def raise_memlock_limit() -> int:
     return soft
 
 
+FLASH_ATTN = {"auto": -1, "off": 0, "on": 1}  # enum llama_flash_attn_type
+KV_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "bf16": 30}  # enum ggml_type
+
+
 def context_params(lib, settings: Settings):
     """llama.cpp's context parameters for a run with these settings (footprint's probe makes the same context)."""
     cparams = lib.llama_context_default_params()
     cparams.n_ctx = settings.n_ctx
     cparams.n_batch = settings.n_batch
-    cparams.n_ubatch = settings.n_batch
+    cparams.n_ubatch = settings.n_ubatch or settings.n_batch
+    cparams.flash_attn_type = FLASH_ATTN[settings.flash_attn]
+    cparams.type_k, cparams.type_v = KV_TYPES[settings.type_k], KV_TYPES[settings.type_v]
     # generation reads only the last token's logits: reserving 1 output instead of n_batch shrinks the
     # compute buffer (measured for the 1.5B at -b 512: 303 MiB down to 67 MiB)
     cparams.n_outputs_max = settings.n_outputs

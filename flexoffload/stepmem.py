@@ -1,0 +1,302 @@
+"""The memory of a prefill's and a decode's steps (HyperGen's per-step estimate, on llama.cpp's graph): issue 16.
+
+HyperGen's Table 1 sizes each step of a prefill from the layer's shapes: QKV, the attention scores (s x s a head),
+the softmax, the attention output, the MLP. llama.cpp on a CPU already splits a prefill the way HyperGen's partition
+does: a forward pass computes one ubatch of u tokens, and flash attention tiles the scores over the KV cells with an
+online softmax (ggml-cpu/ops.cpp), so the s^2 term is u x n_kv and only the mask holds it (f16). What a context
+holds is allocated when it is made, for the worst step:
+- the KV cache, n_ctx cells, cleared (so charged) as it is made;
+- the compute buffer, the graph's tensors for a ubatch of u tokens over all n_ctx cells (llama_context::
+  sched_reserve), the one buffer every step of every layer reuses;
+- the output buffer (n_outputs logits rows);
+- the CPU backend's work buffer, grown to the largest node's scratch (ggml-cpu.cpp; not in llama.cpp's report): a
+  matrix multiplication converts its input to the weight's dot type (Q8_K for the K-quants: 292 bytes a 256 values),
+  and without flash attention the scores are converted to f16 for the product with V.
+
+`buffers` asks llama.cpp for the first three without allocating anything: a child loads the model with no_alloc
+(metadata only, nothing read) and makes one context per setting, reading the sizes it logs (footprint.py's parsing);
+one child answers many settings, and the answers are cached. `work_bytes` adds the fourth from the graph's shapes.
+`steps` breaks a ubatch down HyperGen's way, for the report: what each step adds and what it leaves.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from dataclasses import asdict, dataclass
+
+from . import FlexoffloadError
+from .budget import MiB
+from .defaults import cache_dir, file_key
+from .model import Model
+
+_KV = re.compile(r"llama_kv_cache: size =\s*([0-9.]+) MiB")
+_COMPUTE = re.compile(r"compute buffer size =\s*([0-9.]+) MiB")
+_OUTPUT = re.compile(r"output buffer size =\s*([0-9.]+) MiB")
+
+# ggml's dot types: the block a matrix multiplication converts its f32 input to, by the weight's type (bytes, values)
+_Q8_K = (292, 256)
+_Q8_0 = (34, 32)
+DOT_TYPE = {"Q2_K": _Q8_K, "Q3_K": _Q8_K, "Q4_K": _Q8_K, "Q5_K": _Q8_K, "Q6_K": _Q8_K, "IQ4_XS": _Q8_K,
+            "Q4_0": _Q8_0, "Q4_1": (36, 32), "Q5_0": _Q8_0, "Q5_1": (36, 32), "Q8_0": _Q8_0, "IQ4_NL": _Q8_0,
+            "F16": (2, 1), "BF16": (2, 1), "F32": (0, 1)}
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One context: its cells, ubatch, attention path, KV cache types and logits rows."""
+
+    n_ctx: int
+    n_ubatch: int
+    flash_attn: str = "on"
+    type_k: str = "f16"
+    type_v: str = "f16"
+    n_outputs: int = 1
+
+    def key(self) -> str:
+        return f"c{self.n_ctx}-u{self.n_ubatch}-{self.flash_attn}-{self.type_k}-{self.type_v}-o{self.n_outputs}"
+
+
+@dataclass(frozen=True)
+class Buffers:
+    """What llama.cpp allocates for a context (bytes), as it reports it, and the CPU backend's work buffer."""
+
+    kv_cache: int
+    compute: int
+    output: int
+    work: int
+
+    @property
+    def total(self) -> int:
+        return self.kv_cache + self.compute + self.output + self.work
+
+
+def work_bytes(model: Model, n_ubatch: int, n_kv: int, flash_attn: bool) -> int:
+    """The CPU backend's work buffer: the largest scratch a node of the ubatch's graph asks for (ggml_graph_plan):
+    a weight's matrix multiplication converts its u input rows to the weight's dot type; without flash attention,
+    the product of the scores with V converts the scores (n_kv x u a head) to f16."""
+    largest = 0
+    for t in model.tensors:
+        if len(t.shape) == 2 and t.kind not in ("token_embd", "norm", "bias"):
+            block, values = DOT_TYPE.get(t.type, _Q8_K)
+            largest = max(largest, -(-t.shape[0] * n_ubatch // values) * block)
+    if not flash_attn:
+        largest = max(largest, 2 * n_kv * n_ubatch * model.n_head)
+    return largest
+
+
+def _cache_path(model: Model) -> str:
+    return str(cache_dir() / "footprints" / f"{file_key(model.path)}-buffers-v1.json")
+
+
+def buffers(model: Model, settings: list[Setting]) -> list[Buffers]:
+    """llama.cpp's buffers for each setting (cached per model file; those not cached asked of one child)."""
+    path = _cache_path(model)
+    try:
+        known = json.loads(open(path).read())
+    except (OSError, ValueError):
+        known = {}
+    missing = [s for s in settings if s.key() not in known]
+    if missing:
+        cmd = [sys.executable, "-m", "flexoffload.stepmem", str(model.path), json.dumps([asdict(s) for s in missing])]
+        try:
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL)
+        except subprocess.TimeoutExpired:
+            raise FlexoffloadError(f"llama.cpp's dry run of {model.path.name} did not finish in 600 s") from None
+        if r.returncode != 0:
+            last = (r.stderr.strip().splitlines() or [f"exit {r.returncode}"])[-1]
+            raise FlexoffloadError(last.removeprefix("flexoffload: "))
+        known.update(json.loads(r.stdout))
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.part"
+        with open(tmp, "w") as f:
+            f.write(json.dumps(known))
+        os.replace(tmp, path)
+    out = []
+    for s in settings:
+        sizes = known[s.key()]
+        fa = sizes.pop("flash_attn", s.flash_attn == "on")
+        out.append(Buffers(**sizes, work=work_bytes(model, min(s.n_ubatch, s.n_ctx), s.n_ctx, fa)))
+    return out
+
+
+def dry_run(model_path: str, settings: list[Setting]) -> dict[str, dict]:
+    """In this process: the model's metadata only (no_alloc: no tensor is read or allocated), a context per setting,
+    the sizes llama.cpp logs for it (flash_attn: whether it ran with flash attention, "auto" resolved)."""
+    from . import engine
+
+    lib = engine.llama_cpp()
+    log = engine._Log(lib, verbose=False, keep=None)
+    mparams = lib.llama_model_default_params()
+    mparams.no_alloc = True
+    mparams.load_mode = lib.LLAMA_LOAD_MODE_NONE
+    mparams.use_extra_bufts = False
+    model = lib.llama_model_load_from_file(model_path.encode(), mparams)
+    if not model:
+        raise FlexoffloadError(f"llama.cpp could not read {model_path}")
+    n_vocab = lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(model))
+    out = {}
+    try:
+        for s in settings:
+            log.lines.clear()
+            cparams = engine.context_params(lib, engine.Settings(
+                n_ctx=s.n_ctx, n_batch=s.n_ubatch, n_ubatch=s.n_ubatch, n_threads=1, flash_attn=s.flash_attn,
+                type_k=s.type_k, type_v=s.type_v, n_outputs=s.n_outputs))
+            ctx = lib.llama_init_from_model(model, cparams)
+            if not ctx:
+                raise FlexoffloadError(f"llama.cpp refused a context of {s.n_ctx} cells, ubatch {s.n_ubatch}, "
+                                       f"flash attention {s.flash_attn}, KV {s.type_k}/{s.type_v}")
+            found = {name: [float(m.group(1)) for line in log.lines for m in [p.search(line)] if m]
+                     for name, p in (("kv_cache", _KV), ("compute", _COMPUTE), ("output", _OUTPUT))}
+            if not found["compute"]:
+                raise FlexoffloadError(f"llama.cpp did not report its compute buffer size for {model_path}")
+            sizes = {k: int(sum(v + 0.005 for v in found[k]) * MiB) for k in found}
+            sizes["output"] = max(sizes["output"], 4 * n_vocab * s.n_outputs)
+            # "auto" is resolved as the context is made, and logged ("Flash Attention enabled")
+            sizes["flash_attn"] = s.flash_attn == "on" or (
+                s.flash_attn == "auto" and any("Flash Attention enabled" in line for line in log.lines))
+            out[s.key()] = sizes
+            lib.llama_free(ctx)
+    finally:
+        lib.llama_model_free(model)
+    return out
+
+
+def steps(model: Model, n_ubatch: int, n_kv: int, flash_attn: bool) -> list[dict]:
+    """HyperGen's Table 1 for one ubatch of a layer, in bytes (f32 activations): what each step holds at its peak
+    and what it leaves for the next (the weights are llama.cpp's, resident or streamed: not counted here)."""
+    u, e, ekv = n_ubatch, model.n_embd, model.n_embd * model.n_head_kv // max(model.n_head, 1)
+    x = 4 * u * e
+    qkv = 4 * u * (e + 2 * ekv)
+    mask = (2 if flash_attn else 4) * n_kv * u
+    scores = 0 if flash_attn else 4 * n_kv * u * model.n_head  # flash attention never holds them: 64 x 64 tiles
+    mlp = 4 * u * 2 * model.n_ff
+    return [
+        {"step": "QKV", "peak": x + qkv, "retained": x + qkv},
+        {"step": "attention scores", "peak": x + qkv + mask + scores, "retained": x + qkv + mask + scores},
+        {"step": "softmax", "peak": x + qkv + mask + scores, "retained": x + mask + scores},  # in place
+        {"step": "attention output", "peak": x + mask + scores + 4 * u * e, "retained": x},
+        {"step": "MLP", "peak": x + mlp + 4 * u * e, "retained": x},
+    ]
+
+
+def main() -> None:
+    model_path, settings = sys.argv[1], [Setting(**d) for d in json.loads(sys.argv[2])]
+    try:
+        print(json.dumps(dry_run(model_path, settings)))
+    except FlexoffloadError as e:
+        print(f"flexoffload: {e}", file=sys.stderr)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
+
+
+# --- a run's memory at a setting, and the longest prompt a budget holds ------------------------------------------
+
+UBATCHES = (32, 64, 128, 256, 512, 1024, 2048)  # the ubatch sizes a prefill plan chooses among
+CELLS = 256  # llama.cpp pads the KV cache to this many cells
+
+
+def run_costs(model: Model, setting: Setting, budget: int = 0) -> dict[str, int]:
+    """make_plan's costs beside the weights at a setting: the KV cache, the buffers a pass computes in (compute,
+    output and the work buffer), the overhead (the heap, sampling, the runtime, the budget's slack: footprint's
+    probe at a small context, as those do not grow with it) and the code."""
+    from .footprint import measure, slack
+
+    b = buffers(model, [setting])[0]
+    base = measure(model, CELLS * 2, 64)
+    return dict(kv_cache=b.kv_cache, compute=b.compute + b.output + b.work,
+                overhead=base.heap + base.sampling + base.runtime + slack(budget), code=base.code)
+
+
+def minimum(model: Model, setting: Setting, costs: dict[str, int] | None = None) -> int:
+    """The smallest budget a run at this setting works in: everything streamable streamed, window 0."""
+    from .footprint import smallest_budget
+    from .planners import minimum_budget
+
+    return smallest_budget(minimum_budget(model, 0, **(costs or run_costs(model, setting))))
+
+
+def cells_for(n_tokens: int) -> int:
+    """The context a prompt and its generation need, padded as llama.cpp pads the cache."""
+    return -(-n_tokens // CELLS) * CELLS
+
+
+@dataclass(frozen=True)
+class Longest:
+    """The longest prompt a budget holds, the ubatch it needs, and what that takes."""
+
+    n_prompt: int
+    n_ubatch: int
+    minimum: int  # the budget the run needs at that length and ubatch
+    kv_cache: int
+    compute: int
+
+
+def _knots(model: Model) -> list[int]:
+    """Contexts the sweep asks llama.cpp about; between them sizes are interpolated (the KV cache grows by the
+    same bytes a cell; the compute buffer by the mask's row a cell, once the largest tensor is the scores')."""
+    top = cells_for(model.n_ctx_train)
+    return sorted({CELLS, 2 * CELLS, 4 * CELLS, top // 8, top // 4, top // 2, top} - {0})
+
+
+def _interpolate(xs: list[int], ys: list[int], x: int) -> int:
+    for (x0, y0), (x1, y1) in zip(zip(xs, ys), zip(xs[1:], ys[1:])):
+        if x <= x1:
+            return int(y0 + (y1 - y0) * (x - x0) / (x1 - x0)) + 1
+    return ys[-1]
+
+
+def max_prompt(model: Model, budget: int, n_predict: int = 0, flash_attn: str = "on", type_k: str = "f16",
+               type_v: str = "f16") -> Longest | None:
+    """The longest prompt (to the cache's CELLS) whose run fits the budget with some ubatch of UBATCHES, up to the
+    model's trained context, and the largest ubatch it fits with (fewer passes over the streamed weights). None if
+    not even the shortest fits. One dry run answers a sweep of contexts for every ubatch (_knots), the search
+    interpolates between them, and the answer is asked of llama.cpp itself (stepping to the last length that fits)."""
+    from .footprint import measure, slack
+
+    knots = _knots(model)
+    sweep = {u: buffers(model, [Setting(c, min(u, c), flash_attn, type_k, type_v) for c in knots])
+             for u in UBATCHES}
+    base = measure(model, CELLS * 2, 64)
+    fixed = dict(overhead=base.heap + base.sampling + base.runtime + slack(budget), code=base.code)
+
+    def costs(n_ctx: int, u: int, exact: bool) -> dict[str, int]:
+        if exact:
+            b = buffers(model, [Setting(n_ctx, min(u, n_ctx), flash_attn, type_k, type_v)])[0]
+            kv, compute = b.kv_cache, b.compute + b.output + b.work
+        else:
+            kv = _interpolate(knots, [b.kv_cache for b in sweep[u]], n_ctx)
+            compute = _interpolate(knots, [b.compute + b.output + b.work for b in sweep[u]], n_ctx)
+        return dict(kv_cache=kv, compute=compute, **fixed)
+
+    def fitting(n_ctx: int, exact: bool = False) -> tuple[int, dict] | None:
+        for u in sorted(UBATCHES, reverse=True):
+            c = costs(n_ctx, u, exact)
+            if minimum(model, Setting(n_ctx, u), c) <= budget:
+                return u, c
+        return None
+
+    top = cells_for(model.n_ctx_train) // CELLS
+    if fitting(CELLS, exact=True) is None:
+        return None
+    lo, hi = 1, top  # lo fits (in cells of CELLS), anything above hi does not
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if fitting(mid * CELLS) is not None:
+            lo = mid
+        else:
+            hi = mid - 1
+    while lo > 1 and fitting(lo * CELLS, exact=True) is None:
+        lo -= 1
+    while lo < top and fitting((lo + 1) * CELLS, exact=True) is not None:
+        lo += 1
+    n_ctx = lo * CELLS
+    u, c = fitting(n_ctx, exact=True)
+    return Longest(n_prompt=max(min(n_ctx, model.n_ctx_train) - n_predict, 0), n_ubatch=min(u, n_ctx),
+                   minimum=minimum(model, Setting(n_ctx, u), c), kv_cache=c["kv_cache"], compute=c["compute"])

@@ -1,0 +1,68 @@
+#!/usr/bin/env python3
+"""The per-step memory estimate against the cgroup (issue 16, item 1): a prefill of a long prompt at each ubatch
+size, flash attention on and off, streamed by a plan for the budget whose costs come from llama.cpp's dry run
+(stepmem.run_costs). Predicted: the plan's unreclaimable memory; measured: the peak of what the run cannot give
+back (anonymous, locked, kernel), in a cgroup with room to spare; one run each.
+
+    scripts/check_stepmem.py [--mem 0.5x] [--prompt-tokens 2000] [-o results/stepmem_qwen1.5b.csv]
+"""
+
+import argparse
+import csv
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from flexoffload import api, models, stepmem  # noqa: E402
+from flexoffload import budget as budgets  # noqa: E402
+from flexoffload.budget import MiB  # noqa: E402
+from flexoffload.model import load  # noqa: E402
+from matrix import long_prompt, run  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--mem", default="0.5x")
+    ap.add_argument("--prompt-tokens", type=int, default=2000)
+    ap.add_argument("--ubatches", default="32,128,512,2048")
+    ap.add_argument("-o", "--output", default="results/stepmem_qwen1.5b.csv")
+    opts = ap.parse_args()
+    path = models.resolve("qwen2.5-coder-1.5b-instruct")
+    model = load(path)
+    limit = budgets.parse_size(opts.mem, model.file_size)
+    prompt = long_prompt(path, opts.prompt_tokens)
+    n_ctx = stepmem.cells_for(opts.prompt_tokens + 64)
+    fields = ["n_ubatch", "flash_attn", "n_ctx", "n_prompt", "kv_mb", "compute_mb", "predicted_mb", "measured_mb",
+              "predicted_over_measured", "ttft_s", "error"]
+    with open(opts.output, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields)
+        writer.writeheader()
+        for fa in ("on", "off"):
+            for u in (int(x) for x in opts.ubatches.split(",")):
+                request = api.Request(model=str(path), prompt=prompt, n_predict=4, n_ctx=n_ctx, n_batch=max(u, 512),
+                                      n_ubatch=u, flash_attn=fa, temp=0, mem=str(limit), strategy="stream")
+                row = {"n_ubatch": u, "flash_attn": fa, "n_ctx": n_ctx}
+                try:
+                    plan = api.prepare(request).plan
+                    row.update(kv_mb=round(plan.memory.kv_cache / MiB, 1), compute_mb=round(plan.memory.compute / MiB, 1),
+                               predicted_mb=round(plan.memory.unreclaimable / MiB, 1))
+                except Exception as e:  # over the budget: recorded
+                    row["error"] = str(e)[:160]
+                    writer.writerow(row)
+                    f.flush()
+                    continue
+                result, err = run(request, limit + model.file_size + (1 << 30))
+                if result:
+                    row.update(n_prompt=result["n_prompt"], measured_mb=round(result["peak_unreclaimable_mb"], 1),
+                               ttft_s=round(result["ttft_s"], 2),
+                               predicted_over_measured=round(row["predicted_mb"] / result["peak_unreclaimable_mb"], 3))
+                row["error"] = err[:160]
+                print(row, file=sys.stderr, flush=True)
+                writer.writerow(row)
+                f.flush()
+
+
+if __name__ == "__main__":
+    main()
