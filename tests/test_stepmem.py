@@ -1,0 +1,64 @@
+"""Per-step memory (stepmem.py): llama.cpp's dry run reports what a real context allocates, ubatch and attention
+path change the compute buffer as the graph says, the longest prompt a budget holds is the last that fits, and a
+prefill in smaller ubatches gives the same greedy tokens."""
+
+import dataclasses
+import json
+
+import pytest
+
+from conftest import cli
+from flexoffload import api, footprint, stepmem, synth
+from flexoffload.model import load
+
+
+@pytest.fixture(scope="module")
+def qwen2(tmp_path_factory):
+    """qwen2-tiny trained for 32768 tokens: 384 bytes of KV cache a token, so the budget sets the longest prompt."""
+    shape = dataclasses.replace(synth.SHAPES["qwen2-tiny"], n_ctx_train=32768)
+    return load(synth.write(tmp_path_factory.mktemp("m") / "qwen2.gguf", shape))
+
+
+def test_the_dry_run_reports_what_a_real_context_allocates(qwen2):
+    real = footprint.measure(qwen2, 256, 64)  # a context made for real, weights streamed
+    dry = stepmem.buffers(qwen2, [stepmem.Setting(256, 64, "auto")])[0]
+    assert (dry.kv_cache, dry.compute) == (real.kv_cache, real.compute)
+
+
+def test_ubatch_and_attention_path_size_the_compute_buffer(qwen2):
+    small, large, off = stepmem.buffers(qwen2, [stepmem.Setting(512, 32, "on"), stepmem.Setting(512, 256, "on"),
+                                                 stepmem.Setting(512, 256, "off")])
+    assert small.kv_cache == large.kv_cache == off.kv_cache  # the cache is the context's, whatever the ubatch
+    assert small.compute < large.compute < off.compute  # without flash attention the scores are held whole
+    assert stepmem.work_bytes(qwen2, 256, 512, False) >= 2 * 512 * 256 * qwen2.n_head > \
+        stepmem.work_bytes(qwen2, 256, 512, True)
+    steps = {s["step"]: s for s in stepmem.steps(qwen2, 64, 512, flash_attn=False)}
+    assert steps["attention scores"]["peak"] > steps["QKV"]["peak"]  # HyperGen's s^2 term, here u x n_kv a head
+
+
+def test_the_longest_prompt_is_the_last_that_fits(qwen2):
+    floor = stepmem.minimum(qwen2, stepmem.Setting(stepmem.CELLS, 32))
+    sizes = [floor + (2 << 20), floor + (5 << 20), floor + (9 << 20)]
+    assert stepmem.max_prompt(qwen2, floor - (1 << 20)) is None
+    found = [stepmem.max_prompt(qwen2, b) for b in sizes]
+    assert all(f is not None for f in found)
+    lengths = [f.n_prompt for f in found]
+    assert lengths == sorted(lengths) and lengths[0] < lengths[-1]
+    for budget, f in zip(sizes, found):
+        assert f.minimum <= budget
+        if f.n_prompt + stepmem.CELLS <= qwen2.n_ctx_train:
+            longer = stepmem.Setting(f.n_prompt + stepmem.CELLS, 32)
+            assert stepmem.minimum(qwen2, longer, stepmem.run_costs(qwen2, longer, budget)) > budget
+    r = cli("plan", "-m", str(qwen2.path), "--max-prompt", "--mem", str(sizes[1]), "--json", check=True)
+    assert json.loads(r.stdout)["longest"]["n_prompt"] == lengths[1]
+    r = cli("plan", "-m", str(qwen2.path), "--prompt-len", str(qwen2.n_ctx_train + 1), "--mem", "80M")
+    assert r.returncode == 1 and "trained context" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_a_prefill_in_smaller_ubatches_gives_the_same_tokens(tmp_path, qwen2):
+    prompt = " ".join(f"w{i}" for i in range(60))
+    base = api.Request(model=str(qwen2.path), prompt=prompt, n_predict=8, temp=0, n_ctx=256, n_batch=64, n_ubatch=16,
+                       flash_attn="on")
+    mmap = api.generate(dataclasses.replace(base, strategy="mmap"))
+    streamed = api.generate(dataclasses.replace(base, strategy="stream", mem="60M"))
+    assert streamed["tokens"] == mmap["tokens"] and streamed["n_prompt"] > 64
