@@ -186,6 +186,18 @@ def _mmap_instead(model, plan, n_threads: int) -> str:
             f"(--strategy stream streams)")
 
 
+def _check_prompt_length(model, r: Request) -> None:
+    """A prompt longer than the context (-c) or the model's trained context is one error, before anything loads."""
+    from .engine import count_tokens
+
+    n = count_tokens(str(model.path), r.prompt)
+    if n >= r.n_ctx:
+        raise FlexoffloadError(f"the prompt is {n} tokens, longer than the context of {r.n_ctx}: raise -c")
+    if n > model.n_ctx_train:
+        raise FlexoffloadError(f"the prompt is {n} tokens, longer than {model.path.name}'s trained context of "
+                               f"{model.n_ctx_train} tokens")
+
+
 def prepare(request: Request) -> Prepared:
     """Everything before loading: the model, the budget, the plan, and whether the draft pays at this budget.
 
@@ -198,6 +210,7 @@ def prepare(request: Request) -> Prepared:
     path = catalog.resolve(r.model)
     r.model = str(path)
     model = load(path)
+    _check_prompt_length(model, r)
     if r.rpc and r.mem and "=" in r.mem:  # per device: this machine's budget is cpu=
         from . import devices, placers
 

@@ -180,6 +180,28 @@ def raise_memlock_limit() -> int:
     return soft
 
 
+def count_tokens(model_path: str, text: str) -> int:
+    """The prompt's tokens as a run tokenizes it (special tokens added), from the model's vocabulary alone: a
+    prompt too long for the context is refused before anything is loaded."""
+    lib = llama_cpp()
+    _Log(lib, verbose=False)  # llama.cpp's log kept, not printed
+    params = lib.llama_model_default_params()
+    params.vocab_only = True
+    model = lib.llama_model_load_from_file(model_path.encode(), params)
+    if not model:
+        raise FlexoffloadError(f"llama.cpp could not read the vocabulary of {model_path}")
+    try:
+        data = text.encode("utf-8")
+        n_max = len(data) + 8
+        buf = (lib.llama_token * n_max)()
+        n = lib.llama_tokenize(lib.llama_model_get_vocab(model), data, len(data), buf, n_max, True, True)
+    finally:
+        lib.llama_model_free(model)
+    if n < 0:
+        raise FlexoffloadError("prompt could not be tokenized")
+    return n
+
+
 FLASH_ATTN = {"auto": -1, "off": 0, "on": 1}  # enum llama_flash_attn_type
 KV_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "bf16": 30}  # enum ggml_type
 

@@ -62,3 +62,15 @@ def test_a_prefill_in_smaller_ubatches_gives_the_same_tokens(tmp_path, qwen2):
     mmap = api.generate(dataclasses.replace(base, strategy="mmap"))
     streamed = api.generate(dataclasses.replace(base, strategy="stream", mem="60M"))
     assert streamed["tokens"] == mmap["tokens"] and streamed["n_prompt"] > 64
+
+
+def test_a_prompt_too_long_is_refused_before_loading(qwen2, tmp_path):
+    long = " ".join(f"w{i}" for i in range(300))
+    r = cli("run", "-m", str(qwen2.path), "-p", long, "-n", "1", "-c", "128", "--mem", "1M")
+    # named with both lengths, and before the budget (1M: far too small) is even considered
+    assert r.returncode == 1 and "longer than the context of 128" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+    bad = tmp_path / "latin1.txt"
+    bad.write_bytes("caf\xe9".encode("latin-1"))
+    r = cli("run", "-m", str(qwen2.path), "-f", str(bad), "-n", "1")
+    assert r.returncode == 1 and "not UTF-8" in r.stderr
