@@ -161,6 +161,7 @@ def plan_for_run(model, r: Request, limit: int | None, n_outputs: int = 1, n_seq
                        io_threads=r.io_threads or IO_THREADS, n_outputs=n_outputs, n_seq_max=n_seq_max, draft=draft)
 
 
+LONG_PROMPT = 256  # tokens: a prompt longer than this has its prefill's ubatch chosen (prefill.py)
 MMAP_TIE = 0.02  # mmap runs where predicted within this of the plan: the cost model's resolution
 
 
@@ -186,8 +187,9 @@ def _mmap_instead(model, plan, n_threads: int) -> str:
             f"(--strategy stream streams)")
 
 
-def _check_prompt_length(model, r: Request) -> None:
-    """A prompt longer than the context (-c) or the model's trained context is one error, before anything loads."""
+def _check_prompt_length(model, r: Request) -> int:
+    """The prompt's tokens; a prompt longer than the context (-c) or the model's trained context is one error,
+    before anything loads."""
     from .engine import count_tokens
 
     n = count_tokens(str(model.path), r.prompt)
@@ -196,6 +198,7 @@ def _check_prompt_length(model, r: Request) -> None:
     if n > model.n_ctx_train:
         raise FlexoffloadError(f"the prompt is {n} tokens, longer than {model.path.name}'s trained context of "
                                f"{model.n_ctx_train} tokens")
+    return n
 
 
 def prepare(request: Request) -> Prepared:
@@ -210,7 +213,7 @@ def prepare(request: Request) -> Prepared:
     path = catalog.resolve(r.model)
     r.model = str(path)
     model = load(path)
-    _check_prompt_length(model, r)
+    n_prompt = _check_prompt_length(model, r)
     if r.rpc and r.mem and "=" in r.mem:  # per device: this machine's budget is cpu=
         from . import devices, placers
 
@@ -222,6 +225,18 @@ def prepare(request: Request) -> Prepared:
 
         for endpoint in devices.parse_endpoints(r.rpc):
             devices.probe_rpc(endpoint)
+    notes = []
+    if (limit is not None and r.strategy == "stream" and not r.n_ubatch and not r.plan_dir and not r.rpc
+            and not r.draft and r.flash_attn == "auto" and n_prompt > LONG_PROMPT):
+        # a long prompt: the ubatch that makes the whole run fastest under the budget (prefill.py)
+        from . import prefill
+        from . import profile as profiler
+
+        u, _, first = prefill.choose(model, limit, n_prompt, r.n_predict, r.n_ctx, r.policy,
+                                     profiler.measure(model, r.n_threads), r.n_threads, r.io_threads or IO_THREADS)
+        r = replace(r, n_ubatch=u, n_batch=max(r.n_batch, u), flash_attn="on")
+        notes.append(f"flexoffload: a prompt of {n_prompt} tokens: prefill in ubatches of {u} (-ub), time to first "
+                     f"token predicted {first:.1f} s")
     if not r.draft:
         plan = plan_for_run(model, r, limit)
         if plan is not None and plan.policy == tune.MMAP:  # plan --tune measured mmap faster at this budget
@@ -236,7 +251,7 @@ def prepare(request: Request) -> Prepared:
             note = _mmap_instead(model, plan, r.n_threads)
             if note:
                 return Prepared(replace(r, strategy="mmap"), model, limit, None, notes=[note])
-        return Prepared(r, model, limit, plan)
+        return Prepared(r, model, limit, plan, notes=notes)
 
     from . import speculate, spectree
 

@@ -9,6 +9,7 @@ back (anonymous, locked, kernel), in a cgroup with room to spare; one run each.
 
 import argparse
 import csv
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -28,7 +29,13 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=2000)
     ap.add_argument("--ubatches", default="32,128,512,2048")
     ap.add_argument("-o", "--output", default="results/stepmem_qwen1.5b.csv")
+    ap.add_argument("--chosen", action="store_true",
+                    help="instead: the ubatch run chooses for the prompt (prefill.py), its predicted and measured time "
+                         "to first token (-o results/prefill_chosen_qwen1.5b.csv)")
     opts = ap.parse_args()
+    if opts.chosen:
+        chosen(opts)
+        return
     path = models.resolve("qwen2.5-coder-1.5b-instruct")
     model = load(path)
     limit = budgets.parse_size(opts.mem, model.file_size)
@@ -58,6 +65,65 @@ def main() -> None:
                     row.update(n_prompt=result["n_prompt"], measured_mb=round(result["peak_unreclaimable_mb"], 1),
                                ttft_s=round(result["ttft_s"], 2),
                                predicted_over_measured=round(row["predicted_mb"] / result["peak_unreclaimable_mb"], 3))
+                row["error"] = err[:160]
+                print(row, file=sys.stderr, flush=True)
+                writer.writerow(row)
+                f.flush()
+
+
+def chosen(opts) -> None:
+    """The run's own choice of ubatch for a long prompt, at each budget of --mem (comma-separated), in turn."""
+    from flexoffload import prefill
+    from flexoffload import profile as profiler
+
+    path = models.resolve("qwen2.5-coder-1.5b-instruct")
+    model = load(path)
+    prompt = long_prompt(path, opts.prompt_tokens)
+    fields = ["mem", "config", "n_ctx", "n_prompt", "n_ubatch", "predicted_ttft_s", "ttft_s", "decode_tok_s",
+              "predicted_tok_s", "measured_mb", "error"]
+    with open(opts.output, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields)
+        writer.writeheader()
+        for mem in opts.mem.split(","):
+            limit = budgets.parse_size(mem, model.file_size)
+            n_ctx = max(4096, stepmem.cells_for(opts.prompt_tokens + 64))
+            request = api.Request(model=str(path), prompt=prompt, n_predict=16, n_ctx=n_ctx, n_batch=512, temp=0,
+                                  mem=str(limit), strategy="stream")
+            row = {"mem": mem, "config": "chosen", "n_ctx": n_ctx}
+            try:
+                prepared = api.prepare(request)
+                u = prepared.request.n_ubatch
+                _, _, first = prefill.choose(model, limit, api._check_prompt_length(model, request), 16, n_ctx,
+                                             "balanced", profiler.measure(model, 2), 2, 4)
+                row.update(n_ubatch=u, predicted_ttft_s=round(first, 2),
+                           predicted_tok_s=round(prepared.plan.predicted_tok_s, 2))
+            except Exception as e:
+                row["error"] = str(e)[:160]
+                writer.writerow(row)
+                continue
+            result, err = run(request, limit)  # enforced: the budget itself
+            if result:
+                row.update(n_prompt=result["n_prompt"], ttft_s=round(result["ttft_s"], 2),
+                           decode_tok_s=round(result["decode_tok_s"], 2),
+                           measured_mb=round(result.get("peak_mem_mb", 0), 1))
+            row["error"] = err[:160]
+            print(row, file=sys.stderr, flush=True)
+            writer.writerow(row)
+            f.flush()
+            for fixed in (int(x) for x in opts.ubatches.split(",")):  # by hand, the same prompt and budget
+                hand = dataclasses.replace(request, n_ubatch=fixed, n_batch=max(512, fixed), flash_attn="on")
+                row = {"mem": mem, "config": "by hand", "n_ctx": n_ctx, "n_ubatch": fixed}
+                try:
+                    row["predicted_tok_s"] = round(api.prepare(hand).plan.predicted_tok_s, 2)
+                except Exception as e:
+                    row["error"] = str(e)[:160]
+                    writer.writerow(row)
+                    continue
+                result, err = run(hand, limit)
+                if result:
+                    row.update(n_prompt=result["n_prompt"], ttft_s=round(result["ttft_s"], 2),
+                               decode_tok_s=round(result["decode_tok_s"], 2),
+                               measured_mb=round(result.get("peak_mem_mb", 0), 1))
                 row["error"] = err[:160]
                 print(row, file=sys.stderr, flush=True)
                 writer.writerow(row)

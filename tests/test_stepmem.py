@@ -74,3 +74,22 @@ def test_a_prompt_too_long_is_refused_before_loading(qwen2, tmp_path):
     bad.write_bytes("caf\xe9".encode("latin-1"))
     r = cli("run", "-m", str(qwen2.path), "-f", str(bad), "-n", "1")
     assert r.returncode == 1 and "not UTF-8" in r.stderr
+
+
+def test_a_long_prompt_gets_its_ubatch_chosen_and_the_same_tokens(qwen2, monkeypatch):
+    from flexoffload import prefill
+
+    monkeypatch.setattr(api, "LONG_PROMPT", 32)
+    prompt = " ".join(f"w{i}" for i in range(150))
+    request = api.Request(model=str(qwen2.path), prompt=prompt, n_predict=6, temp=0, n_ctx=512, n_batch=64,
+                          mem="60M", strategy="stream")
+    prepared = api.prepare(request)
+    u = prepared.request.n_ubatch
+    assert u in stepmem.UBATCHES and prepared.request.n_batch >= u and prepared.request.flash_attn == "on"
+    assert any("ubatches of" in n for n in prepared.notes)
+    rate = prefill.rates(qwen2, request.n_threads)
+    assert set(rate) == set(stepmem.UBATCHES) and all(s > 0 for s in rate.values())
+    chosen = api.run_prepared(prepared)
+    same = api.generate(api.Request(model=str(qwen2.path), prompt=prompt, n_predict=6, temp=0, n_ctx=512,
+                                    n_batch=max(64, u), n_ubatch=u, flash_attn="on", strategy="mmap"))
+    assert chosen["tokens"] == same["tokens"]

@@ -1,0 +1,102 @@
+"""Step-aware prefill: the ubatch a long prompt is computed in, chosen under the budget (HyperGen, issue 16).
+
+A prefill of L tokens in ubatches of u makes ceil(L/u) forward passes, and every pass reads every streamed tensor
+once; a larger u pays the disk fewer times and computes more efficiently (a matrix multiplication over more rows
+reuses each weight it reads), but its compute buffer (stepmem) takes memory from the resident weights for the whole
+run, so decode streams more. So the choice is the u minimizing the run's predicted time: time to first token plus
+the tokens to generate at the plan's decode speed.
+
+The time to first token is predicted per pass as its compute (measured: `rates`, a ubatch's pass with every weight
+in memory, by u) plus its reads of the streamed tensors (`pass_seconds`: measured, the two do not overlap in a
+prefill). Attention's growth with the cells already filled is not modelled (it is a few
+percent of a pass at the lengths measured here).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+from . import FlexoffloadError
+from .costmodel import Profile
+from .defaults import cache_dir, file_key
+from .model import Model
+from .plan import Plan, streamed_bytes
+from .stepmem import UBATCHES, Setting, run_costs
+
+
+def rates(model: Model, n_threads: int, remeasure: bool = False) -> dict[int, float]:
+    """Seconds one prefill pass of u tokens takes with every weight in memory, by u (UBATCHES), cached: a context
+    of the largest ubatch, warm, the best of two passes at each size."""
+    from . import engine
+    from .profile import warm_page_cache
+
+    path = cache_dir() / "profiles" / f"{file_key(model.path)}-t{n_threads}-prefill-v1.json"
+    if path.exists() and not remeasure:
+        return {int(k): v for k, v in json.loads(path.read_text()).items()}
+    top = max(UBATCHES)
+    warm_page_cache(model.path)
+    settings = engine.Settings(n_ctx=top + 64, n_batch=top, n_ubatch=top, n_threads=n_threads, temp=0.0,
+                               flash_attn="on")
+    out = {}
+    with engine.Engine(str(model.path), settings) as eng:
+        lib = eng.lib
+        n_vocab = lib.llama_vocab_n_tokens(eng.vocab)
+        for u in UBATCHES:
+            tokens = [(7 * i + 11) % n_vocab for i in range(u)]
+            best = None
+            for _ in range(2):
+                lib.llama_memory_clear(lib.llama_get_memory(eng.ctx), True)
+                t0 = time.perf_counter()
+                eng._decode(tokens)
+                seconds = time.perf_counter() - t0
+                best = seconds if best is None else min(best, seconds)
+            out[u] = best
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out))
+    return out
+
+
+def pass_seconds(model: Model, plan: Plan, n_tokens: int, profile: Profile, rate: dict[int, float]) -> float:
+    """A prefill pass of n_tokens under the plan: its compute (measured with every weight in memory) plus its reads
+    of the streamed tensors. Not overlapped: measured at 0.3x and 0.5x on the 1.5B, prefill passes took about
+    their compute plus their reads whatever the window (results/prefill_chosen_qwen1.5b.csv), where decode's reads
+    hide behind its compute; why is still open. A pipeline simulation with the window predicted 1.5-2x too fast."""
+    u = min((x for x in rate if x >= n_tokens), default=max(rate))
+    compute = rate[u] * n_tokens / u
+    return compute + streamed_bytes(plan, model) / profile.disk_bw
+
+
+def ttft(model: Model, plan: Plan, n_prompt: int, n_ubatch: int, profile: Profile, rate: dict[int, float]) -> float:
+    """Predicted seconds to the first token: the passes of full ubatches, then the rest."""
+    full, rest = divmod(n_prompt, n_ubatch)
+    seconds = full * pass_seconds(model, plan, n_ubatch, profile, rate)
+    if rest:
+        seconds += pass_seconds(model, plan, rest, profile, rate)
+    return seconds
+
+
+def choose(model: Model, budget: int, n_prompt: int, n_predict: int, n_ctx: int, policy: str, profile: Profile,
+           n_threads: int, io_threads: int, n_outputs: int = 1) -> tuple[int, Plan, float]:
+    """The ubatch (of UBATCHES, at most the prompt) whose plan the cost model predicts the run fastest with, that
+    plan, and its predicted time to first token."""
+    from .planners import make_plan
+
+    rate = rates(model, n_threads)
+    best = None
+    for u in sorted(UBATCHES):
+        if u > max(n_prompt, min(UBATCHES)) and best is not None:
+            break  # a ubatch past the prompt only takes memory
+        setting = Setting(n_ctx, min(u, n_ctx), "on", n_outputs=n_outputs)
+        try:
+            plan = make_plan(model, budget, policy, profile, io_threads=io_threads,
+                             **run_costs(model, setting, budget))
+        except FlexoffloadError:
+            continue  # its compute buffer does not fit beside the smallest plan
+        first = ttft(model, plan, n_prompt, u, profile, rate)
+        total = first + max(n_predict, 1) / plan.predicted_tok_s
+        if best is None or total < best[0]:
+            best = (total, u, plan, first)
+    if best is None:
+        raise FlexoffloadError(f"no ubatch of {', '.join(map(str, UBATCHES))} fits {model.path.name} in the budget")
+    return best[1], best[2], best[3]
