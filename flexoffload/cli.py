@@ -82,7 +82,11 @@ def _report(result: dict, as_json: bool) -> None:
 @click.option("-f", "--file", "prompt_file", metavar="FILE", help="read the prompt from FILE")
 @click.option("-n", "--n-predict", default=128, show_default=True, help="tokens to generate (-1: until end of text)")
 @click.option("-c", "--ctx-size", default=2048, show_default=True, help="context size in tokens")
-@click.option("-b", "--batch-size", default=512, show_default=True, help="prompt tokens per forward pass")
+@click.option("-b", "--batch-size", default=512, show_default=True, help="prompt tokens per llama_decode call")
+@click.option("-ub", "--ubatch-size", "n_ubatch", default=0,
+              help="prompt tokens per forward pass [default: -b; under --mem, chosen for a prompt over 256 tokens]")
+@click.option("-fa", "--flash-attn", "flash_attn", type=click.Choice(["on", "off", "auto"]), default="auto",
+              show_default=True, help="llama.cpp's attention path")
 @click.option("-t", "--threads", default=os.cpu_count() or 1, show_default=True)
 @click.option("--temp", default=0.8, show_default=True, help="temperature; 0 is greedy")
 @click.option("--seed", default=-1, show_default=True, help="sampling seed (-1: random)")
@@ -122,9 +126,9 @@ def _report(result: dict, as_json: bool) -> None:
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object instead of text and timings")
 @click.option("-v", "--verbose", is_flag=True, help="show llama.cpp's log")
 @_errors_as_one_line
-def run(model_spec, prompt, prompt_file, n_predict, ctx_size, batch_size, threads, temp, seed, mem, enforce,
-        strategy, policy, plan_dir, window, io_threads, draft_spec, draft_max, draft_p_split, spec_mode, no_pacer,
-        no_adaptive, no_adaptive_split, pipeline, draft_always, tuned, rpc, n_gpu_layers, placement, as_json,
+def run(model_spec, prompt, prompt_file, n_predict, ctx_size, batch_size, n_ubatch, flash_attn, threads, temp, seed,
+        mem, enforce, strategy, policy, plan_dir, window, io_threads, draft_spec, draft_max, draft_p_split, spec_mode,
+        no_pacer, no_adaptive, no_adaptive_split, pipeline, draft_always, tuned, rpc, n_gpu_layers, placement, as_json,
         verbose):
     """Generate text from a prompt (with -md: speculation by a resident draft model)."""
     from . import api
@@ -132,7 +136,7 @@ def run(model_spec, prompt, prompt_file, n_predict, ctx_size, batch_size, thread
     request = request_from_flags(model_spec, prompt, prompt_file, n_predict, ctx_size, batch_size, threads, temp,
                                  seed, mem, strategy, policy, plan_dir, window, io_threads, draft_spec, draft_max,
                                  draft_p_split, spec_mode, no_pacer, no_adaptive, no_adaptive_split, pipeline,
-                                 draft_always, tuned, verbose, rpc, n_gpu_layers, placement)
+                                 draft_always, tuned, verbose, rpc, n_gpu_layers, placement, n_ubatch, flash_attn)
     on_text = None if as_json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
     result = api.generate(request, on_text, enforce=enforce, echo=lambda msg: click.echo(msg, err=True))
     _report(result, as_json)
@@ -141,7 +145,7 @@ def run(model_spec, prompt, prompt_file, n_predict, ctx_size, batch_size, thread
 def request_from_flags(model_spec, prompt, prompt_file, n_predict, ctx_size, batch_size, threads, temp, seed, mem,
                        strategy, policy, plan_dir, window, io_threads, draft_spec, draft_max, draft_p_split,
                        spec_mode, no_pacer, no_adaptive, no_adaptive_split, pipeline, draft_always, tuned, verbose,
-                       rpc=None, n_gpu_layers=0, placement="auto"):
+                       rpc=None, n_gpu_layers=0, placement="auto", n_ubatch=0, flash_attn="auto"):
     """api.Request from `run`'s flags (the prompt read from -f as llama.cpp reads it)."""
     from . import api
 
@@ -151,7 +155,8 @@ def request_from_flags(model_spec, prompt, prompt_file, n_predict, ctx_size, bat
         plan_dir=plan_dir, window=window, io_threads=io_threads, draft=draft_spec, draft_max=draft_max,
         draft_p_split=draft_p_split, spec=spec_mode, pacer=not no_pacer, adaptive=not no_adaptive,
         adaptive_split=not no_adaptive_split, pipeline=pipeline, draft_always=draft_always, tuned=tuned,
-        verbose=verbose, rpc=rpc, n_gpu_layers=n_gpu_layers, placement=placement)
+        verbose=verbose, rpc=rpc, n_gpu_layers=n_gpu_layers, placement=placement, n_ubatch=n_ubatch,
+        flash_attn=flash_attn)
 
 
 def request_from_args(args: list[str]):
