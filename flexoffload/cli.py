@@ -319,8 +319,9 @@ def _plan_prompt(model, mem, max_prompt, prompt_len, n_predict, flash_attn, as_j
             click.echo(json.dumps({"budget": budget, "longest": None if found is None else found.__dict__}))
             return
         if found is None:
+            least = stepmem.minimum(model, stepmem.Setting(stepmem.CELLS, min(stepmem.UBATCHES)))
             raise FlexoffloadError(f"{format_size(budget)} holds no prompt of {model.path.name}: the minimum is "
-                                   f"{format_size(stepmem.minimum(model, stepmem.Setting(stepmem.CELLS, 32)), up=True)}")
+                                   f"{format_size(least, up=True)}")
         click.echo(f"{model.path.name} at {format_size(budget)}: prompts up to {found.n_prompt} tokens"
                    f"{f' (and {n_predict} generated)' if n_predict else ''}, with a ubatch of {found.n_ubatch}: "
                    f"KV cache {found.kv_cache / MiB:.0f} MiB, compute {found.compute / MiB:.0f} MiB, the run needs "

@@ -161,8 +161,7 @@ def _decode_seconds(model_path: str, n_threads: int, rpc: tuple[str, ...] = (), 
     from . import engine
 
     settings = engine.Settings(n_ctx=DEVICE_CTX, n_batch=DEVICE_BATCH, n_threads=n_threads, strategy="stream", temp=0,
-                               rpc=rpc,
-                               n_gpu_layers=n_gpu_layers, placed_patterns=placed)
+                               rpc=rpc, n_gpu_layers=n_gpu_layers, placed_patterns=placed)
     with engine.Engine(model_path, settings) as eng:
         best = min(eng.generate(DEVICE_PROMPT, DEVICE_TOKENS).decode_tok_s for _ in range(2))
     return 1.0 / best
@@ -187,8 +186,8 @@ def device_configs(model, budget: int | None) -> list[tuple[str, object]]:
         if t.kind == "ffn_down" and fits(Placement("profile", ("RPC0",), 0, (), tuple(downs + [(t.name, "RPC0")]))):
             downs.append((t.name, "RPC0"))
     if len(configs) < 2 or len(downs) < 2:
-        raise FlexoffloadError(f"a device of {budget / (1 << 20):.1f} MiB cannot hold enough of {model.path.name} to be "
-                               f"profiled (two placements of layers and two blocks' ffn_down)")
+        raise FlexoffloadError(f"a device of {budget / (1 << 20):.1f} MiB cannot hold enough of {model.path.name} "
+                               f"to be profiled (two placements of layers and two blocks' ffn_down)")
     return configs + [(f"ffn_down of {len(downs)} blocks", Placement("profile", ("RPC0",), 0, (), tuple(downs)))]
 
 
