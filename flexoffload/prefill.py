@@ -98,5 +98,11 @@ def choose(model: Model, budget: int, n_prompt: int, n_predict: int, n_ctx: int,
         if best is None or total < best[0]:
             best = (total, u, plan, first)
     if best is None:
-        raise FlexoffloadError(f"no ubatch of {', '.join(map(str, UBATCHES))} fits {model.path.name} in the budget")
+        from .budget import format_size
+        from .stepmem import minimum
+
+        least = minimum(model, Setting(n_ctx, min(min(UBATCHES), n_ctx), "on", n_outputs=n_outputs))
+        raise FlexoffloadError(f"a context of {n_ctx} cells does not fit {model.path.name} in {format_size(budget)} "
+                               f"at any ubatch: it needs {format_size(least, up=True)} (plan --max-prompt: the "
+                               f"longest prompt this budget holds)")
     return best[1], best[2], best[3]
