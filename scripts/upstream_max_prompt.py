@@ -69,6 +69,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--budgets", default="0.4x,0.6x,0.8x,1.0x")
     ap.add_argument("-o", "--output", default="results/max_prompt_qwen1.5b.csv")
+    ap.add_argument("--predict-only", action="store_true", help="the two predictions, no run")
     opts = ap.parse_args()
     path = models.resolve("qwen2.5-coder-1.5b-instruct")
     model = load(path)
@@ -84,6 +85,10 @@ def main() -> None:
             base = {"budget": label, "budget_mb": round(limit / MiB), "ours_max_prompt": ours.n_prompt if ours else 0,
                     "ours_ubatch": ours.n_ubatch if ours else "", "upstream_predicted_max": up,
                     "ratio": round(ours.n_prompt / up, 2) if ours and up else ""}
+            if opts.predict_only:
+                writer.writerow(base)
+                f.flush()
+                continue
             for tried in ([up, int(up * 1.25)] if up else [stepmem.CELLS]):
                 row = {**base, "tried_tokens": tried, **run_upstream(path, tried, limit)}
                 print(row, file=sys.stderr, flush=True)
