@@ -79,19 +79,30 @@ def measure(model, n_ctx: int, n_batch: int, n_outputs: int = 1, n_seq_max: int 
         pass
     cmd = [sys.executable, "-m", "flexoffload.footprint", str(model.path), str(n_ctx), str(n_batch), str(n_outputs),
            str(n_seq_max)]
+    footprint = Footprint(**child_json(cmd, f"llama.cpp's memory probe of {model.path.name}", 300))
+    write_atomic(path, json.dumps(asdict(footprint)))
+    return footprint
+
+
+def child_json(cmd: list[str], what: str, timeout: int) -> dict:
+    """The JSON a child process prints (a probe of llama.cpp, which may abort the process); its last stderr line as
+    the error if it fails (the engine's errors name the model)."""
     try:
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
     except subprocess.TimeoutExpired:
-        raise FlexoffloadError(f"llama.cpp's memory probe of {model.path.name} did not finish in 300 s") from None
+        raise FlexoffloadError(f"{what} did not finish in {timeout} s") from None
     if r.returncode != 0:
         last = (r.stderr.strip().splitlines() or [f"exit {r.returncode}"])[-1]
-        raise FlexoffloadError(last.removeprefix("flexoffload: "))  # the engine's error names the model
-    footprint = Footprint(**json.loads(r.stdout))
+        raise FlexoffloadError(last.removeprefix("flexoffload: "))
+    return json.loads(r.stdout)
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write a cache file whole or not at all (a part file renamed over it)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.part")
-    tmp.write_text(json.dumps(asdict(footprint)))
+    tmp.write_text(text)
     tmp.replace(path)
-    return footprint
 
 
 def slack(budget: int) -> int:

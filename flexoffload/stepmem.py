@@ -22,15 +22,15 @@ one child answers many settings, and the answers are cached. `work_bytes` adds t
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
 import sys
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 from . import FlexoffloadError
 from .budget import MiB
 from .defaults import cache_dir, file_key
+from .footprint import child_json, write_atomic
 from .model import Model
 
 _KV = re.compile(r"llama_kv_cache: size =\s*([0-9.]+) MiB")
@@ -88,33 +88,22 @@ def work_bytes(model: Model, n_ubatch: int, n_kv: int, flash_attn: bool) -> int:
     return largest
 
 
-def _cache_path(model: Model) -> str:
-    return str(cache_dir() / "footprints" / f"{file_key(model.path)}-buffers-v1.json")
+def _cache_path(model: Model) -> Path:
+    return cache_dir() / "footprints" / f"{file_key(model.path)}-buffers-v1.json"
 
 
 def buffers(model: Model, settings: list[Setting]) -> list[Buffers]:
     """llama.cpp's buffers for each setting (cached per model file; those not cached asked of one child)."""
     path = _cache_path(model)
     try:
-        known = json.loads(open(path).read())
+        known = json.loads(path.read_text())
     except (OSError, ValueError):
         known = {}
     missing = [s for s in settings if s.key() not in known]
     if missing:
         cmd = [sys.executable, "-m", "flexoffload.stepmem", str(model.path), json.dumps([asdict(s) for s in missing])]
-        try:
-            r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL)
-        except subprocess.TimeoutExpired:
-            raise FlexoffloadError(f"llama.cpp's dry run of {model.path.name} did not finish in 600 s") from None
-        if r.returncode != 0:
-            last = (r.stderr.strip().splitlines() or [f"exit {r.returncode}"])[-1]
-            raise FlexoffloadError(last.removeprefix("flexoffload: "))
-        known.update(json.loads(r.stdout))
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        tmp = f"{path}.{os.getpid()}.part"
-        with open(tmp, "w") as f:
-            f.write(json.dumps(known))
-        os.replace(tmp, path)
+        known.update(child_json(cmd, f"llama.cpp's dry run of {model.path.name}", 600))
+        write_atomic(path, json.dumps(known))
     out = []
     for s in settings:
         sizes = known[s.key()]

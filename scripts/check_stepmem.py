@@ -71,6 +71,18 @@ def main() -> None:
                 f.flush()
 
 
+def measured(row: dict, request, limit: int, writer, f) -> None:
+    """Run the request under the budget (cold), and write its row with what it measured."""
+    result, err = run(request, limit)
+    if result:
+        row.update(n_prompt=result["n_prompt"], ttft_s=round(result["ttft_s"], 2),
+                   decode_tok_s=round(result["decode_tok_s"], 2), measured_mb=round(result.get("peak_mem_mb", 0), 1))
+    row["error"] = err[:160]
+    print(row, file=sys.stderr, flush=True)
+    writer.writerow(row)
+    f.flush()
+
+
 def chosen(opts) -> None:
     """The run's own choice of ubatch for a long prompt, at each budget of --mem (comma-separated), in turn."""
     from flexoffload import prefill
@@ -101,15 +113,7 @@ def chosen(opts) -> None:
                 row["error"] = str(e)[:160]
                 writer.writerow(row)
                 continue
-            result, err = run(request, limit)  # enforced: the budget itself
-            if result:
-                row.update(n_prompt=result["n_prompt"], ttft_s=round(result["ttft_s"], 2),
-                           decode_tok_s=round(result["decode_tok_s"], 2),
-                           measured_mb=round(result.get("peak_mem_mb", 0), 1))
-            row["error"] = err[:160]
-            print(row, file=sys.stderr, flush=True)
-            writer.writerow(row)
-            f.flush()
+            measured(row, request, limit, writer, f)  # enforced: the budget itself
             for fixed in (int(x) for x in opts.ubatches.split(",")):  # by hand, the same prompt and budget
                 hand = dataclasses.replace(request, n_ubatch=fixed, n_batch=max(512, fixed), flash_attn="on")
                 row = {"mem": mem, "config": "by hand", "n_ctx": n_ctx, "n_ubatch": fixed}
@@ -119,15 +123,7 @@ def chosen(opts) -> None:
                     row["error"] = str(e)[:160]
                     writer.writerow(row)
                     continue
-                result, err = run(hand, limit)
-                if result:
-                    row.update(n_prompt=result["n_prompt"], ttft_s=round(result["ttft_s"], 2),
-                               decode_tok_s=round(result["decode_tok_s"], 2),
-                               measured_mb=round(result.get("peak_mem_mb", 0), 1))
-                row["error"] = err[:160]
-                print(row, file=sys.stderr, flush=True)
-                writer.writerow(row)
-                f.flush()
+                measured(row, hand, limit, writer, f)
 
 
 if __name__ == "__main__":
