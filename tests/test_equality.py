@@ -11,13 +11,15 @@ from flexoffload import native
 PROMPT = 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n'
 
 
-def llama_completion(model, prompt, n, ctx=2048, batch=512, threads=2, prompt_file=None, overrides=()) -> str:
+def llama_completion(model, prompt, n, ctx=2048, batch=512, threads=2, prompt_file=None, overrides=(), ubatch=None,
+                     flash_attn=None) -> str:
     """The text llama-completion generates greedily (mmap, no repacking: upstream's plain path); the prompt from
     prompt_file (-f) instead where one is given; overrides: `-ot` lines (a plan's tensors.ot: STREAMED ones)."""
     source = ["-f", str(prompt_file)] if prompt_file else ["-p", prompt]
     source += ["-ot", ",".join(overrides)] if overrides else []
+    source += ["-fa", flash_attn] if flash_attn else []
     cmd = [str(native.tool("llama-completion")), "-m", str(model), *source, "-n", str(n), "--temp", "0",
-           "-c", str(ctx), "-b", str(batch), "-ub", str(batch), "-t", str(threads), "-lm", "mmap", "--no-repack",
+           "-c", str(ctx), "-b", str(batch), "-ub", str(ubatch or batch), "-t", str(threads), "-lm", "mmap", "--no-repack",
            "-no-cnv", "--no-display-prompt", "--simple-io", "--no-warmup"]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL)
     assert r.returncode == 0, r.stderr[-2000:]
@@ -100,3 +102,13 @@ def test_every_strategy_equals_llama_completion_with_the_same_overrides(tmp_path
     for extra in (("--plan", str(plan_dir)), ("--strategy", "prefetch"), ("--strategy", "sync")):
         ours = flexoffload_run(model, "a b c d", 16, "-c", "512", *extra)
         assert ours["text"] == upstream and ours["strategy"] in ("stream", "prefetch", "sync")
+
+
+def test_greedy_equals_llama_completion_with_a_smaller_ubatch(tiny_model):
+    """-ub and -fa as llama.cpp takes them: a prompt over several ubatches, streamed under a budget, gives
+    llama-completion's text at the same -b, -ub and -fa."""
+    prompt = " ".join(f"w{i}" for i in range(60))
+    ours = flexoffload_run(tiny_model, prompt, 16, "-c", "256", "-b", "64", "-ub", "16", "-fa", "on", "--mem", "60M",
+                           "--strategy", "stream")
+    assert ours["n_prompt"] > 16 and ours["n_gen"] > 0
+    assert llama_completion(tiny_model, prompt, 16, ctx=256, batch=64, ubatch=16, flash_attn="on") == ours["text"]
