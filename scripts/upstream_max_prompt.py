@@ -29,13 +29,15 @@ from matrix import long_prompt  # noqa: E402
 
 N_PREDICT = 16
 TIMEOUT = 300  # seconds a run may take: past it, it is thrashing (recorded as not finished)
-UPSTREAM_UBATCH, UPSTREAM_OUTPUTS = 512, 512  # common's -ub; the graph's logits rows: min(ubatch, n_batch)
+UPSTREAM_UBATCH = 512  # common's -ub
 
 
-def upstream_need(model, n_prompt: int) -> int:
+def upstream_need(model, n_prompt: int, n_ubatch: int = UPSTREAM_UBATCH) -> int:
+    """The budget llama-completion needs for a prompt at -ub n_ubatch (the graph's logits rows: min(ubatch,
+    n_batch), so the ubatch's)."""
     n_ctx = stepmem.cells_for(n_prompt + 64)
-    b = stepmem.buffers(model, [stepmem.Setting(n_ctx, min(UPSTREAM_UBATCH, n_ctx), "auto",
-                                                n_outputs=UPSTREAM_OUTPUTS)])[0]
+    u = min(n_ubatch, n_ctx)
+    b = stepmem.buffers(model, [stepmem.Setting(n_ctx, u, "auto", n_outputs=u)])[0]
     base = measure(model, stepmem.CELLS * 2, 64)
     layer = max(model.layer_bytes(i) for i in range(model.n_layer))
     return smallest_budget(b.total + base.heap + base.sampling + base.runtime + base.code + KERNEL_FIXED + layer)
