@@ -64,6 +64,9 @@ class Request:
     placement: str = "auto"  # with rpc and --mem: how weights are placed across the devices (placers)
     n_ubatch: int = 0  # tokens a forward pass computes at once (-ub); 0: n_batch
     flash_attn: str = "auto"  # on, off, auto (-fa)
+    cache_type_k: str = "f16"  # the KV cache's types (-ctk, -ctv)
+    cache_type_v: str = "f16"
+    move_back: bool = True  # after the prompt, the compute buffers' memory goes to weights (False: an ablation)
     tuned: bool = True  # stream by a plan --tune made for this model, budget and machine, where there is one
     verbose: bool = False
 
@@ -78,6 +81,9 @@ class Prepared:
     draft_model: object | None = None
     draft_bytes: int = 0
     notes: list[str] = field(default_factory=list)  # what the caller should tell the user (stderr)
+    decode_ubatch: int = 0  # after the prompt, the context's ubatch (its compute buffers shrink); 0: unchanged
+    resident_after_prefill: tuple[str, ...] = ()  # streamed tensors decode keeps resident (prefill.after_prefill)
+    decode_tok_s: float = 0.0  # decode's predicted speed with them (0: the plan's)
 
 
 def _check(r: Request) -> None:
@@ -94,8 +100,14 @@ def _check(r: Request) -> None:
         raise FlexoffloadError("no prompt: give one with -p TEXT or -f FILE")
     if r.n_ubatch < 0 or r.n_ubatch > r.n_batch or r.flash_attn not in ("on", "off", "auto"):
         raise FlexoffloadError("-ub must be between 1 and -b, -fa one of on, off, auto")
-    if (r.n_ubatch or r.flash_attn != "auto") and r.draft:
-        raise FlexoffloadError("-ub and -fa are for a run without -md, for now")
+    from .engine import KV_TYPES
+
+    if r.cache_type_k not in KV_TYPES or r.cache_type_v not in KV_TYPES:
+        raise FlexoffloadError(f"-ctk and -ctv must be one of {', '.join(KV_TYPES)}")
+    if r.cache_type_v not in ("f16", "f32", "bf16") and r.flash_attn == "off":
+        raise FlexoffloadError(f"a {r.cache_type_v} V cache needs flash attention: -fa on or auto")
+    if (r.n_ubatch or r.flash_attn != "auto" or _kv_quantized(r)) and r.draft:
+        raise FlexoffloadError("-ub, -fa, -ctk and -ctv are for a run without -md, for now")
     if r.spec not in ("tree", "chain"):
         raise FlexoffloadError(f"unknown speculation shape {r.spec!r}: tree or chain")
     if r.rpc:
@@ -108,6 +120,21 @@ def _check(r: Request) -> None:
         raise FlexoffloadError("-ngl offloads layers to RPC servers here (this build has no GPU): add --rpc")
     if r.n_gpu_layers < 0:
         raise FlexoffloadError("-ngl must be at least 0")
+
+
+def _kv_quantized(r: Request) -> bool:
+    return (r.cache_type_k, r.cache_type_v) != ("f16", "f16")
+
+
+def _step_setting(r: Request, n_outputs: int = 1):
+    """The context's setting for llama.cpp's dry run (stepmem), where -ub, -fa or the KV types are given; else
+    None (the footprint probe's costs at -c/-b apply)."""
+    from . import stepmem
+
+    if not ((r.n_ubatch and r.n_ubatch != r.n_batch) or r.flash_attn != "auto" or _kv_quantized(r)):
+        return None
+    return stepmem.Setting(r.n_ctx, min(r.n_ubatch or r.n_batch, r.n_ctx), "on" if r.flash_attn == "auto" else
+                           r.flash_attn, r.cache_type_k, r.cache_type_v, n_outputs=n_outputs)
 
 
 def plan_for_run(model, r: Request, limit: int | None, n_outputs: int = 1, n_seq_max: int = 1, draft: int = 0):
@@ -146,14 +173,13 @@ def plan_for_run(model, r: Request, limit: int | None, n_outputs: int = 1, n_seq
         policy, window = "none", 0 if r.strategy == "sync" else (WINDOW if window is None else window)
     elif limit is None:
         return None
-    if (r.n_ubatch and r.n_ubatch != r.n_batch) or r.flash_attn != "auto":
-        # the ubatch and the attention path set the compute buffers: their costs from llama.cpp's dry run
+    setting = _step_setting(r, n_outputs)
+    if setting is not None:
+        # the ubatch, the attention path and the KV types set the buffers: their costs from llama.cpp's dry run
         from . import stepmem
         from .planners import make_plan
 
         budget = limit if limit is not None else 4 * model.file_size + (1 << 30)
-        setting = stepmem.Setting(r.n_ctx, min(r.n_ubatch or r.n_batch, r.n_ctx),
-                                  "on" if r.flash_attn == "auto" else r.flash_attn, n_outputs=n_outputs)
         return make_plan(model, budget, policy, profiler.measure(model, r.n_threads), window=window,
                          io_threads=r.io_threads or IO_THREADS, **stepmem.run_costs(model, setting, budget))
     return plan_budget(model, limit if limit is not None else 4 * model.file_size + (1 << 30), policy,
@@ -233,7 +259,8 @@ def prepare(request: Request) -> Prepared:
         from . import profile as profiler
 
         u, _, first = prefill.choose(model, limit, n_prompt, r.n_predict, r.n_ctx, r.policy,
-                                     profiler.measure(model, r.n_threads), r.n_threads, r.io_threads or IO_THREADS)
+                                     profiler.measure(model, r.n_threads), r.n_threads, r.io_threads or IO_THREADS,
+                                     type_k=r.cache_type_k, type_v=r.cache_type_v)
         r = replace(r, n_ubatch=u, n_batch=max(r.n_batch, u), flash_attn="on")
         notes.append(f"flexoffload: a prompt of {n_prompt} tokens: prefill in ubatches of {u} (-ub), time to first "
                      f"token predicted {first:.1f} s")
@@ -251,7 +278,18 @@ def prepare(request: Request) -> Prepared:
             note = _mmap_instead(model, plan, r.n_threads)
             if note:
                 return Prepared(replace(r, strategy="mmap"), model, limit, None, notes=[note])
-        return Prepared(r, model, limit, plan, notes=notes)
+        prepared = Prepared(r, model, limit, plan, notes=notes)
+        setting = _step_setting(r)
+        if setting is not None and not r.rpc and r.move_back:
+            # decode after the prompt: the compute buffers shrink, and what they give back holds weights
+            from . import prefill
+            from . import profile as profiler
+
+            prepared.decode_ubatch = prefill.DECODE_UBATCH
+            if plan is not None and limit is not None and r.strategy == "stream" and not r.plan_dir:
+                prepared.resident_after_prefill, prepared.decode_tok_s = prefill.after_prefill(
+                    model, plan, setting, profiler.measure(model, r.n_threads))
+        return prepared
 
     from . import speculate, spectree
 
@@ -299,7 +337,9 @@ def run_prepared(p: Prepared, on_text=None) -> dict:
         streamed_patterns=tuple(p for p, b in pairs if b == plans.STREAMED_BUFT),
         placed_patterns=tuple((p, b) for p, b in pairs if b != plans.STREAMED_BUFT),
         rpc=tuple(devices.parse_endpoints(r.rpc)) if r.rpc else (),
-        n_ubatch=r.n_ubatch, flash_attn=r.flash_attn,
+        n_ubatch=r.n_ubatch, flash_attn=r.flash_attn, type_k=r.cache_type_k, type_v=r.cache_type_v,
+        decode_ubatch=p.decode_ubatch,
+        resident_after_prefill=p.resident_after_prefill,
         n_gpu_layers=plan.placement["n_gpu_layers"] if plan and plan.placement else r.n_gpu_layers,
         tensor_split=tuple(plan.placement["tensor_split"]) if plan and plan.placement else (),
         window=(r.window if r.window is not None else plan.window) if plan else 0,
@@ -330,6 +370,11 @@ def run_prepared(p: Prepared, on_text=None) -> dict:
                           "resident_mb": plan.memory.resident / MiB,
                           "streamed_mb": plans.streamed_bytes(plan, model) / MiB,
                           "predicted_tok_s": plan.predicted_tok_s, "roofline_tok_s": plan.roofline_tok_s}
+        if p.resident_after_prefill:
+            sizes = {t.name: t.n_bytes for t in model.tensors}
+            result["plan"]["after_prefill"] = {
+                "resident_mb": sum(sizes[n] for n in p.resident_after_prefill) / MiB,
+                "tensors": len(p.resident_after_prefill), "predicted_tok_s": p.decode_tok_s}
     return result
 
 

@@ -20,6 +20,7 @@ from . import models as catalog
 
 PLACEMENTS = ("auto", "oato", "layers", "split")  # placers.solve's policies
 from .budget import MiB, format_size
+from .engine import KV_TYPES
 
 
 def _errors_as_one_line(f):
@@ -87,6 +88,10 @@ def _report(result: dict, as_json: bool) -> None:
               help="prompt tokens per forward pass [default: -b; under --mem, chosen for a prompt over 256 tokens]")
 @click.option("-fa", "--flash-attn", "flash_attn", type=click.Choice(["on", "off", "auto"]), default="auto",
               show_default=True, help="llama.cpp's attention path")
+@click.option("-ctk", "--cache-type-k", "cache_type_k", type=click.Choice(KV_TYPES), default="f16", show_default=True,
+              help="the KV cache's K type")
+@click.option("-ctv", "--cache-type-v", "cache_type_v", type=click.Choice(KV_TYPES), default="f16", show_default=True,
+              help="the KV cache's V type (quantized: with flash attention)")
 @click.option("-t", "--threads", default=os.cpu_count() or 1, show_default=True)
 @click.option("--temp", default=0.8, show_default=True, help="temperature; 0 is greedy")
 @click.option("--seed", default=-1, show_default=True, help="sampling seed (-1: random)")
@@ -126,7 +131,8 @@ def _report(result: dict, as_json: bool) -> None:
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object instead of text and timings")
 @click.option("-v", "--verbose", is_flag=True, help="show llama.cpp's log")
 @_errors_as_one_line
-def run(model_spec, prompt, prompt_file, n_predict, ctx_size, batch_size, n_ubatch, flash_attn, threads, temp, seed,
+def run(model_spec, prompt, prompt_file, n_predict, ctx_size, batch_size, n_ubatch, flash_attn, cache_type_k,
+        cache_type_v, threads, temp, seed,
         mem, enforce, strategy, policy, plan_dir, window, io_threads, draft_spec, draft_max, draft_p_split, spec_mode,
         no_pacer, no_adaptive, no_adaptive_split, pipeline, draft_always, tuned, rpc, n_gpu_layers, placement, as_json,
         verbose):
@@ -136,7 +142,8 @@ def run(model_spec, prompt, prompt_file, n_predict, ctx_size, batch_size, n_ubat
     request = request_from_flags(model_spec, prompt, prompt_file, n_predict, ctx_size, batch_size, threads, temp,
                                  seed, mem, strategy, policy, plan_dir, window, io_threads, draft_spec, draft_max,
                                  draft_p_split, spec_mode, no_pacer, no_adaptive, no_adaptive_split, pipeline,
-                                 draft_always, tuned, verbose, rpc, n_gpu_layers, placement, n_ubatch, flash_attn)
+                                 draft_always, tuned, verbose, rpc, n_gpu_layers, placement, n_ubatch, flash_attn,
+                                 cache_type_k, cache_type_v)
     on_text = None if as_json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
     result = api.generate(request, on_text, enforce=enforce, echo=lambda msg: click.echo(msg, err=True))
     _report(result, as_json)
@@ -145,7 +152,8 @@ def run(model_spec, prompt, prompt_file, n_predict, ctx_size, batch_size, n_ubat
 def request_from_flags(model_spec, prompt, prompt_file, n_predict, ctx_size, batch_size, threads, temp, seed, mem,
                        strategy, policy, plan_dir, window, io_threads, draft_spec, draft_max, draft_p_split,
                        spec_mode, no_pacer, no_adaptive, no_adaptive_split, pipeline, draft_always, tuned, verbose,
-                       rpc=None, n_gpu_layers=0, placement="auto", n_ubatch=0, flash_attn="auto"):
+                       rpc=None, n_gpu_layers=0, placement="auto", n_ubatch=0, flash_attn="auto",
+                       cache_type_k="f16", cache_type_v="f16"):
     """api.Request from `run`'s flags (the prompt read from -f as llama.cpp reads it)."""
     from . import api
 
@@ -156,7 +164,7 @@ def request_from_flags(model_spec, prompt, prompt_file, n_predict, ctx_size, bat
         draft_p_split=draft_p_split, spec=spec_mode, pacer=not no_pacer, adaptive=not no_adaptive,
         adaptive_split=not no_adaptive_split, pipeline=pipeline, draft_always=draft_always, tuned=tuned,
         verbose=verbose, rpc=rpc, n_gpu_layers=n_gpu_layers, placement=placement, n_ubatch=n_ubatch,
-        flash_attn=flash_attn)
+        flash_attn=flash_attn, cache_type_k=cache_type_k, cache_type_v=cache_type_v)
 
 
 def request_from_args(args: list[str]):
@@ -258,10 +266,14 @@ def profile(model_spec, threads, remeasure, ops, batch_size, rpc, as_json):
 @click.option("-n", "--n-predict", default=0, show_default=True, help="with --max-prompt: tokens to generate after it")
 @click.option("-fa", "--flash-attn", type=click.Choice(["on", "off"]), default="on", show_default=True,
               help="with --max-prompt or --prompt-len: llama.cpp's attention path")
+@click.option("-ctk", "--cache-type-k", "cache_type_k", type=click.Choice(KV_TYPES), default="f16", show_default=True,
+              help="with --max-prompt or --prompt-len: the KV cache's K type")
+@click.option("-ctv", "--cache-type-v", "cache_type_v", type=click.Choice(KV_TYPES), default="f16", show_default=True,
+              help="with --max-prompt or --prompt-len: the KV cache's V type")
 @click.option("--json", "as_json", is_flag=True)
 @_errors_as_one_line
 def plan(model_spec, mem, policy, rpc, placement, ctx_size, batch_size, threads, window, io_threads, out_dir, tune_best,
-         tune_rounds, max_prompt, prompt_len, n_predict, flash_attn, as_json):
+         tune_rounds, max_prompt, prompt_len, n_predict, flash_attn, cache_type_k, cache_type_v, as_json):
     """Choose which tensors stay resident under a budget; write tensors.ot and plan.json."""
     from . import plan as plans
     from . import profile as profiler
@@ -270,7 +282,7 @@ def plan(model_spec, mem, policy, rpc, placement, ctx_size, batch_size, threads,
 
     model = load(catalog.resolve(model_spec))
     if max_prompt or prompt_len is not None:
-        _plan_prompt(model, mem, max_prompt, prompt_len, n_predict, flash_attn, as_json)
+        _plan_prompt(model, mem, max_prompt, prompt_len, n_predict, flash_attn, (cache_type_k, cache_type_v), as_json)
         return
     if out_dir is None:
         raise FlexoffloadError("plan writes its files to -o DIR")
@@ -308,31 +320,35 @@ def plan(model_spec, mem, policy, rpc, placement, ctx_size, batch_size, threads,
         click.echo("  tuned: the candidates, measured under the budget\n" + tune.describe(p))
 
 
-def _plan_prompt(model, mem, max_prompt, prompt_len, n_predict, flash_attn, as_json):
+def _plan_prompt(model, mem, max_prompt, prompt_len, n_predict, flash_attn, cache_types, as_json):
     """`plan --max-prompt` and `plan --prompt-len L`: long prompts under a budget (stepmem.py)."""
     from . import stepmem
 
     budget = budgets.parse_size(mem, model.file_size)
     if max_prompt:
-        found = stepmem.max_prompt(model, budget, n_predict, flash_attn)
+        if cache_types != ("f16", "f16") and flash_attn != "on":
+            raise FlexoffloadError("a quantized KV cache needs flash attention (-fa on)")
+        found = stepmem.max_prompt(model, budget, n_predict, flash_attn, *cache_types)
         if as_json:
             click.echo(json.dumps({"budget": budget, "longest": None if found is None else found.__dict__}))
             return
         if found is None:
-            least = stepmem.minimum(model, stepmem.Setting(stepmem.CELLS, min(stepmem.UBATCHES)))
+            least = stepmem.minimum(model, stepmem.Setting(stepmem.CELLS, min(stepmem.UBATCHES), flash_attn,
+                                                           *cache_types))
             raise FlexoffloadError(f"{format_size(budget)} holds no prompt of {model.path.name}: the minimum is "
                                    f"{format_size(least, up=True)}")
         click.echo(f"{model.path.name} at {format_size(budget)}: prompts up to {found.n_prompt} tokens"
                    f"{f' (and {n_predict} generated)' if n_predict else ''}, with a ubatch of {found.n_ubatch}: "
                    f"KV cache {found.kv_cache / MiB:.0f} MiB, compute {found.compute / MiB:.0f} MiB, the run needs "
-                   f"{format_size(found.minimum, up=True)} (flash attention {flash_attn})")
+                   f"{format_size(found.minimum, up=True)} (flash attention {flash_attn}, KV cache "
+                   f"{'/'.join(dict.fromkeys(cache_types))})")
         return
     if prompt_len < 1 or prompt_len > model.n_ctx_train:
         raise FlexoffloadError(f"--prompt-len {prompt_len}: between 1 and the trained context, {model.n_ctx_train}")
     n_ctx = stepmem.cells_for(prompt_len + n_predict)
     rows = []
     for u in stepmem.UBATCHES:
-        setting = stepmem.Setting(n_ctx, min(u, n_ctx), flash_attn)
+        setting = stepmem.Setting(n_ctx, min(u, n_ctx), flash_attn, *cache_types)
         costs = stepmem.run_costs(model, setting, budget)
         rows.append({"n_ubatch": setting.n_ubatch, "passes": -(-prompt_len // setting.n_ubatch),
                      "minimum": stepmem.minimum(model, setting, costs), "kv_cache": costs["kv_cache"],

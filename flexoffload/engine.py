@@ -42,6 +42,8 @@ class Settings:
     flash_attn: str = "auto"  # on, off, or auto (llama.cpp decides: on for this CPU backend)
     type_k: str = "f16"  # the KV cache's types (-ctk, -ctv); a quantized V needs flash attention
     type_v: str = "f16"
+    decode_ubatch: int = 0  # after the prompt: the ubatch decode runs with (its compute buffers sized for it); 0: same
+    resident_after_prefill: tuple[str, ...] = ()  # streamed tensors made resident when decode starts (prefill.py)
     rpc: tuple[str, ...] = ()  # RPC servers (HOST:PORT) whose devices tensors may be placed on
     n_gpu_layers: int = 0  # with rpc: the last layers llama.cpp offloads to those devices, KV cache with them (-ngl)
     tensor_split: tuple[float, ...] = ()  # with rpc: their shares of those layers per device (-ts); () upstream's
@@ -292,6 +294,7 @@ class Engine:
         self.n_ctx = lib.llama_n_ctx(self.ctx)  # llama.cpp pads the context to 256
         self.n_batch = lib.llama_n_batch(self.ctx)  # and caps the batch by it
         self.load_s = time.perf_counter() - t0
+        self.made_resident = 0  # streamed tensors made resident after the prompt (_after_prefill)
 
     def close(self) -> None:
         if getattr(self, "ctx", None):
@@ -372,6 +375,16 @@ class Engine:
             stream.reset_stats()
         return prompt_tokens
 
+    def _after_prefill(self) -> None:
+        """Decode's memory, once the prompt is in: the compute buffers shrink to the decode ubatch's (at the next
+        decode), and the tensors their memory holds now stop streaming, each read once (patches 0013-0015)."""
+        s = self.settings
+        if s.decode_ubatch and s.decode_ubatch < (s.n_ubatch or s.n_batch):
+            from . import stream
+
+            stream.set_n_ubatch(self.ctx, s.decode_ubatch)
+            self.made_resident = stream.make_resident(self.model, s.resident_after_prefill)
+
     def generate(self, prompt: str, n_predict: int, on_text=None) -> Result:
         """Greedy or sampled generation of up to n_predict tokens (-1: until end of text or context)."""
         lib = self.lib
@@ -393,6 +406,8 @@ class Engine:
                     stop = "eog"
                     break
                 out.emit(token)
+                if len(tokens) == 1:  # the first token is out: decode's memory from here
+                    self._after_prefill()
                 if n_past >= self.n_ctx:
                     stop = "context"
                     break
@@ -406,6 +421,7 @@ class Engine:
             lib.llama_sampler_free(sampler)
         timings = {}
         if self.settings.strategy != "mmap":
-            timings = {"resident_locked": not self.log.mlock_failed, **stream_timings(t_end - t_start, self.model)}
+            timings = {"resident_locked": not self.log.mlock_failed, "made_resident": self.made_resident,
+                       **stream_timings(t_end - t_start, self.model)}
         return Result.of(prompt_tokens, out, (t_start, t_first or t_end, t_end), n_decoded, self.load_s,
                          self.settings.strategy, stop, timings)

@@ -6,6 +6,10 @@ reuses each weight it reads), but its compute buffer (stepmem) takes memory from
 run, so decode streams more. So the choice is the u minimizing the run's predicted time: time to first token plus
 the tokens to generate at the plan's decode speed.
 
+When decode starts, the context's ubatch becomes DECODE_UBATCH (patch 0015 sizes the compute buffers again, and
+their memory comes back) and the streamed tensors that memory holds become resident, each read once (0013, 0014):
+`after_prefill` chooses them, so decode runs at a plan for its own buffers, not the prefill's.
+
 The time to first token is predicted per pass as its compute (measured: `rates`, a ubatch's pass with every weight
 in memory, by u) plus its reads of the streamed tensors (`pass_seconds`: measured, the two do not overlap in a
 prefill). Attention's growth with the cells already filled is not modelled (it is a few
@@ -22,7 +26,45 @@ from .costmodel import Profile
 from .defaults import cache_dir, file_key
 from .model import Model
 from .plan import Plan, streamed_bytes
-from .stepmem import UBATCHES, Setting, run_costs
+from .stepmem import UBATCHES, Setting, buffers, run_costs
+
+DECODE_UBATCH = 1  # tokens a decode pass computes: one (this engine decodes a token at a time after the prompt)
+
+
+def after_prefill(model: Model, plan: Plan, setting: Setting, profile: Profile) -> tuple[tuple[str, ...], float]:
+    """The streamed tensors to make resident when decode starts, and decode's predicted tok/s with them.
+
+    The memory is what the compute buffers give back going from the prefill's ubatch to DECODE_UBATCH (llama.cpp's
+    dry run of both; the CPU work buffer and the logits are kept, so not counted). It goes first to the layer that
+    streams the most, the largest of its tensors that fits, and so on (a balanced pipeline: decode waits on its
+    slowest layer). A tensor only looked up by rows (token_embd) costs decode a few rows: it stays streamed. The
+    read pool keeps its size (it never shrinks), so the window's memory is unchanged."""
+    from dataclasses import replace
+
+    from .costmodel import looked_up_only, predict
+
+    if setting.n_ubatch <= DECODE_UBATCH or not plan.streamed:
+        return (), plan.predicted_tok_s
+    wide, narrow = buffers(model, [setting, replace(setting, n_ubatch=DECODE_UBATCH)])
+    room = wide.compute - narrow.compute
+    by_name = {t.name: t for t in model.tensors}
+    left = [by_name[n] for n in plan.streamed if not looked_up_only(model, by_name[n])]
+    chosen = []
+    while left:
+        load = {}
+        for t in left:
+            load[t.layer] = load.get(t.layer, 0) + t.n_bytes
+        fits = [t for t in left if t.n_bytes <= room]
+        if not fits:
+            break
+        pick = max(fits, key=lambda t: (load[t.layer], t.n_bytes))
+        chosen.append(pick.name)
+        room -= pick.n_bytes
+        left.remove(pick)
+    if not chosen:
+        return (), plan.predicted_tok_s
+    tok_s = predict(model, set(plan.resident) | set(chosen), profile, plan.window, plan.io_threads).tok_s
+    return tuple(chosen), tok_s
 
 
 def rates(model: Model, n_threads: int, remeasure: bool = False) -> dict[int, float]:
@@ -77,7 +119,8 @@ def ttft(model: Model, plan: Plan, n_prompt: int, n_ubatch: int, profile: Profil
 
 
 def choose(model: Model, budget: int, n_prompt: int, n_predict: int, n_ctx: int, policy: str, profile: Profile,
-           n_threads: int, io_threads: int, n_outputs: int = 1) -> tuple[int, Plan, float]:
+           n_threads: int, io_threads: int, n_outputs: int = 1, type_k: str = "f16",
+           type_v: str = "f16") -> tuple[int, Plan, float]:
     """The ubatch (of UBATCHES, at most the prompt) whose plan the cost model predicts the run fastest with, that
     plan, and its predicted time to first token."""
     from .planners import make_plan
@@ -87,21 +130,22 @@ def choose(model: Model, budget: int, n_prompt: int, n_predict: int, n_ctx: int,
     for u in sorted(UBATCHES):
         if u > max(n_prompt, min(UBATCHES)) and best is not None:
             break  # a ubatch past the prompt only takes memory
-        setting = Setting(n_ctx, min(u, n_ctx), "on", n_outputs=n_outputs)
+        setting = Setting(n_ctx, min(u, n_ctx), "on", type_k, type_v, n_outputs=n_outputs)
         try:
             plan = make_plan(model, budget, policy, profile, io_threads=io_threads,
                              **run_costs(model, setting, budget))
         except FlexoffloadError:
             continue  # its compute buffer does not fit beside the smallest plan
         first = ttft(model, plan, n_prompt, u, profile, rate)
-        total = first + max(n_predict, 1) / plan.predicted_tok_s
+        _, decode_tok_s = after_prefill(model, plan, setting, profile)
+        total = first + max(n_predict, 1) / decode_tok_s
         if best is None or total < best[0]:
             best = (total, u, plan, first)
     if best is None:
         from .budget import format_size
         from .stepmem import minimum
 
-        least = minimum(model, Setting(n_ctx, min(min(UBATCHES), n_ctx), "on", n_outputs=n_outputs))
+        least = minimum(model, Setting(n_ctx, min(min(UBATCHES), n_ctx), "on", type_k, type_v, n_outputs=n_outputs))
         raise FlexoffloadError(f"a context of {n_ctx} cells does not fit {model.path.name} in {format_size(budget)} "
                                f"at any ubatch: it needs {format_size(least, up=True)} (plan --max-prompt: the "
                                f"longest prompt this budget holds)")

@@ -1,4 +1,5 @@
-"""ctypes bindings for the streaming runtime's C API (include/llama-stream.h, patches 0002-0008).
+"""ctypes bindings for the streaming runtime's C API (include/llama-stream.h, patches 0002-0008, 0014) and
+llama_set_n_ubatch (include/llama-ubatch.h, 0015).
 
 The patched libllama streams the tensors given the STREAMED buffer type: I/O threads read the next
 `window` layers' tensors while the current layer computes, and give each tensor's memory back after use.
@@ -63,6 +64,9 @@ def api():
         lib.llama_stream_get_model_layer_stats.argtypes = [ctypes.c_void_p, ctypes.c_int32, ctypes.POINTER(LayerStats)]
         lib.llama_stream_reset_stats.restype, lib.llama_stream_reset_stats.argtypes = None, []
         lib.llama_stream_get_error.restype, lib.llama_stream_get_error.argtypes = ctypes.c_char_p, []
+        lib.llama_stream_make_resident.restype = ctypes.c_bool
+        lib.llama_stream_make_resident.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
+        lib.llama_set_n_ubatch.restype, lib.llama_set_n_ubatch.argtypes = ctypes.c_uint32, [ctypes.c_void_p, ctypes.c_uint32]
         _api = lib
     return _api
 
@@ -125,6 +129,19 @@ def stats(model=None, layers: bool = True) -> Stats:
     return Stats(bytes_read=s.bytes_read, n_reads=s.n_reads, n_direct=s.n_direct, t_read_s=s.t_read_s,
                  t_stall_s=s.t_stall_s, n_passes=s.n_passes, n_rereads=s.n_rereads,
                  bytes_committed_peak=s.bytes_committed_peak, layer_stall_s=layer_stall_s)
+
+
+def make_resident(model, names) -> int:
+    """Stop streaming the model's tensors of these names (model: its llama_model pointer): each is read once into
+    its own memory and computed from there on. Between llama_decode calls. Returns the number made resident (a name
+    not streamed is skipped)."""
+    lib = api()
+    return sum(bool(lib.llama_stream_make_resident(model, name.encode())) for name in names)
+
+
+def set_n_ubatch(ctx, n_ubatch: int) -> int:
+    """Set a context's ubatch; its compute buffers are freed and reserved for the new size at the next decode."""
+    return api().llama_set_n_ubatch(ctx, n_ubatch)
 
 
 def reset_stats() -> None:
