@@ -55,6 +55,28 @@ def test_the_longest_prompt_is_the_last_that_fits(qwen2):
     assert r.returncode == 1 and "trained context" in r.stderr and len(r.stderr.strip().splitlines()) == 1
 
 
+def test_a_quantized_kv_cache_holds_a_longer_prompt(tmp_path):
+    """-ctk/-ctv q8_0 halves the cache's cells' bytes (about): the same budget holds a longer prompt; a quantized V
+    without flash attention is one error, before anything loads."""
+    from flexoffload import synth
+    from flexoffload.model import load
+
+    # heads of 128 (q8_0's blocks are 32 values)
+    shape = synth.Shape(n_layer=4, n_embd=512, n_ff=1024, n_head=4, n_head_kv=2, n_vocab=384, n_ctx_train=4096)
+    model = load(synth.write(tmp_path / "heads128.gguf", shape))
+    floor = stepmem.minimum(model, stepmem.Setting(stepmem.CELLS, 32))
+    budget = floor + (5 << 20)
+    f16 = stepmem.max_prompt(model, budget)
+    q8 = stepmem.max_prompt(model, budget, type_k="q8_0", type_v="q8_0")
+    assert q8.kv_cache < f16.kv_cache * q8.n_prompt / f16.n_prompt
+    assert q8.n_prompt > f16.n_prompt or q8.n_prompt + stepmem.CELLS > model.n_ctx_train
+    r = cli("plan", "-m", str(model.path), "--max-prompt", "--mem", str(budget), "-ctk", "q8_0", "-ctv", "q8_0",
+            "--json", check=True)
+    assert json.loads(r.stdout)["longest"]["n_prompt"] == q8.n_prompt
+    r = cli("run", "-m", str(model.path), "-p", "a b", "-n", "1", "-ctv", "q8_0", "-fa", "off")
+    assert r.returncode == 1 and "needs flash attention" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
 def test_a_prefill_in_smaller_ubatches_gives_the_same_tokens(tmp_path, qwen2):
     prompt = " ".join(f"w{i}" for i in range(60))
     base = api.Request(model=str(qwen2.path), prompt=prompt, n_predict=8, temp=0, n_ctx=256, n_batch=64, n_ubatch=16,
