@@ -150,8 +150,19 @@ def plan_for_run(model, r: Request, limit: int | None, n_outputs: int = 1, n_seq
     if limit is not None:  # llama.cpp's own report of the context: refuses a model it cannot load, first
         budgets.context_bytes(model, r.n_ctx, r.n_batch, n_outputs, n_seq_max)
     if r.strategy == "mmap":
-        if limit is not None:
+        setting = _step_setting(r, n_outputs)
+        if limit is not None and setting is None:
             budgets.check(model, limit - draft, r.n_ctx, r.n_batch)
+        elif limit is not None:  # -ub, -fa or the KV types set the buffers: the dry run's costs, as for a plan
+            from . import stepmem
+            from .footprint import KERNEL_FIXED, smallest_budget
+
+            layer = max((model.layer_bytes(i) for i in range(model.n_layer)), default=0)
+            need = smallest_budget(sum(stepmem.run_costs(model, setting, limit).values()) + KERNEL_FIXED + layer)
+            if limit - draft < need:
+                raise FlexoffloadError(f"budget {format_size(limit - draft)} is too small for {model.path.name} at "
+                                       f"-c {r.n_ctx} -ub {setting.n_ubatch} (KV {r.cache_type_k}/"
+                                       f"{r.cache_type_v}): the minimum is {format_size(need, up=True)}")
         return None
     if r.plan_dir:
         plan = plans.read(r.plan_dir)

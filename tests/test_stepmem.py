@@ -115,3 +115,24 @@ def test_a_long_prompt_gets_its_ubatch_chosen_and_the_same_tokens(qwen2, monkeyp
     same = api.generate(api.Request(model=str(qwen2.path), prompt=prompt, n_predict=6, temp=0, n_ctx=512,
                                     n_batch=max(64, u), n_ubatch=u, flash_attn="on", strategy="mmap"))
     assert chosen["tokens"] == same["tokens"]
+
+
+def test_mmap_is_checked_with_the_kv_types_given(tmp_path):
+    """mmap's minimum under -ctk/-ctv counts the cache at those types: a budget just under f16's minimum takes a q8_0
+    cache."""
+    import re
+
+    from flexoffload import FlexoffloadError, synth
+
+    shape = synth.Shape(n_layer=4, n_embd=512, n_ff=1024, n_head=4, n_head_kv=2, n_vocab=384, n_ctx_train=8192)
+    path = synth.write(tmp_path / "heads128.gguf", shape)
+    request = api.Request(model=str(path), prompt="a b", n_ctx=8192, n_batch=64, flash_attn="on", strategy="mmap",
+                          mem="1M")
+    with pytest.raises(FlexoffloadError) as refused:
+        api.prepare(request)
+    f16_minimum = float(re.search(r"the minimum is ([\d.]+) MiB", str(refused.value)).group(1))
+    just_under = f"{int(f16_minimum) - 1}M"
+    with pytest.raises(FlexoffloadError, match="KV f16/f16"):
+        api.prepare(dataclasses.replace(request, mem=just_under))
+    q8 = api.prepare(dataclasses.replace(request, mem=just_under, cache_type_k="q8_0", cache_type_v="q8_0"))
+    assert q8.request.strategy == "mmap" and q8.plan is None
