@@ -376,8 +376,8 @@ class Engine:
         return prompt_tokens
 
     def _after_prefill(self) -> None:
-        """Decode's memory, once the prompt is in: the compute buffers shrink to the decode ubatch's (at the next
-        decode), and the tensors their memory holds now stop streaming, each read once (patches 0013-0015)."""
+        """Decode's memory, once the prompt is in: the compute buffers shrink to the decode ubatch's (freed first),
+        then the tensors their memory holds stop streaming, each read once (patches 0013-0015)."""
         s = self.settings
         if s.decode_ubatch and s.decode_ubatch < (s.n_ubatch or s.n_batch):
             from . import stream
