@@ -157,8 +157,8 @@ def plan_for_run(model, r: Request, limit: int | None, n_outputs: int = 1, n_seq
             from . import stepmem
             from .footprint import KERNEL_FIXED, smallest_budget
 
-            layer = max((model.layer_bytes(i) for i in range(model.n_layer)), default=0)
-            need = smallest_budget(sum(stepmem.run_costs(model, setting, limit).values()) + KERNEL_FIXED + layer)
+            costs = stepmem.run_costs(model, setting, limit)
+            need = smallest_budget(sum(costs.values()) + KERNEL_FIXED + budgets.largest_layer(model))
             if limit - draft < need:
                 raise FlexoffloadError(f"budget {format_size(limit - draft)} is too small for {model.path.name} at "
                                        f"-c {r.n_ctx} -ub {setting.n_ubatch} (KV {r.cache_type_k}/"

@@ -82,13 +82,18 @@ def holding(model, weights: int, n_ctx: int, n_batch: int) -> int:
     return smallest_budget(run.runtime + run.code + run.total + KERNEL_FIXED + weights)
 
 
+def largest_layer(model) -> int:
+    """The bytes of the model's largest block: the page cache mmap cannot compute with less of."""
+    return max((model.layer_bytes(i) for i in range(model.n_layer)), default=0)
+
+
 def minimum(model, n_ctx: int, n_batch: int) -> int:
     """The smallest budget a run can work in with the mmap strategy.
 
     Beside the runtime and the context, the page cache must hold at least one layer's weights while the layer
     computes; below that every page faults in more than once per token.
     """
-    return holding(model, max((model.layer_bytes(i) for i in range(model.n_layer)), default=0), n_ctx, n_batch)
+    return holding(model, largest_layer(model), n_ctx, n_batch)
 
 
 def check(model, budget: int, n_ctx: int, n_batch: int) -> None:

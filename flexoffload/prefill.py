@@ -50,17 +50,18 @@ def after_prefill(model: Model, plan: Plan, setting: Setting, profile: Profile) 
     room = wide.compute - narrow.compute
     by_name = {t.name: t for t in model.tensors}
     left = [by_name[n] for n in plan.streamed if not looked_up_only(model, by_name[n])]
+    load = {}  # streamed bytes left per layer
+    for t in left:
+        load[t.layer] = load.get(t.layer, 0) + t.n_bytes
     chosen = []
-    while left:
-        load = {}
-        for t in left:
-            load[t.layer] = load.get(t.layer, 0) + t.n_bytes
+    while True:
         fits = [t for t in left if t.n_bytes <= room]
         if not fits:
             break
         pick = max(fits, key=lambda t: (load[t.layer], t.n_bytes))
         chosen.append(pick.name)
         room -= pick.n_bytes
+        load[pick.layer] -= pick.n_bytes
         left.remove(pick)
     if not chosen:
         return (), plan.predicted_tok_s
