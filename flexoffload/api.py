@@ -67,6 +67,9 @@ class Request:
     cache_type_k: str = "f16"  # the KV cache's types (-ctk, -ctv)
     cache_type_v: str = "f16"
     move_back: bool = True  # after the prompt, the compute buffers' memory goes to weights (False: an ablation)
+    precision: str | None = None  # "auto": lower some tensors' types under --mem (mixed.py), by the bound below
+    max_kld: float | None = None  # with precision: the fastest plan within this KL divergence (default mixed.py's)
+    min_tok_s: float | None = None  # with precision: the least harm reaching this predicted tok/s
     tuned: bool = True  # stream by a plan --tune made for this model, budget and machine, where there is one
     verbose: bool = False
 
@@ -120,6 +123,13 @@ def _check(r: Request) -> None:
         raise FlexoffloadError("-ngl offloads layers to RPC servers here (this build has no GPU): add --rpc")
     if r.n_gpu_layers < 0:
         raise FlexoffloadError("-ngl must be at least 0")
+    if r.precision not in (None, "auto"):
+        raise FlexoffloadError(f"--precision takes auto (the file's own types: leave it out), not {r.precision}")
+    if r.precision and (not r.mem or r.plan_dir or r.rpc or r.draft or r.strategy != "stream"):
+        raise FlexoffloadError("--precision auto plans precision with residency under --mem: not with --plan, --rpc, "
+                               "-md or another --strategy, for now")
+    if (r.max_kld is not None or r.min_tok_s is not None) and not r.precision:
+        raise FlexoffloadError("--max-kld and --min-tok-s bound --precision auto")
 
 
 def _kv_quantized(r: Request) -> bool:
@@ -238,6 +248,39 @@ def _check_prompt_length(model, r: Request) -> int:
     return n
 
 
+def _plan_model(r: Request):
+    """A saved plan of lowered precision runs its own (requantized) file: given -m, that must be its source."""
+    if not r.plan_dir:
+        return None
+    from . import plan as plans
+
+    plan = plans.read(r.plan_dir)
+    if not plan.precision:
+        return None
+    if r.model is not None and catalog.resolve(r.model).resolve() != Path(plan.precision["source"]).resolve():
+        raise FlexoffloadError(f"the plan in {r.plan_dir} was made for {Path(plan.precision['source']).name}, not "
+                               f"{catalog.resolve(r.model).name}")
+    if not Path(plan.model).is_file():
+        raise FlexoffloadError(f"the plan's requantized file is gone ({plan.model}): run plan --precision auto again")
+    return Path(plan.model)
+
+
+def _precision_plan(r: Request, model, limit: int):
+    """run --precision auto: the plan mixed.py chooses (quality not measured again: plan --precision reports it),
+    written to the cache; the request then runs the requantized file by it."""
+    from . import mixed
+    from . import plan as plans
+    from . import profile as profiler
+    from .defaults import cache_dir
+    from .model import load
+
+    plan, _ = mixed.plan(model, limit, profiler.measure(model, r.n_threads), r.n_ctx, r.n_batch, r.max_kld,
+                         r.min_tok_s, r.n_threads, r.io_threads, measure_quality=False)
+    directory = cache_dir() / "plans" / Path(plan.model).stem / f"{limit}-{r.n_ctx}-{r.n_batch}"
+    plans.write(plan, directory)
+    return replace(r, model=plan.model, plan_dir=str(directory)), load(plan.model)
+
+
 def prepare(request: Request) -> Prepared:
     """Everything before loading: the model, the budget, the plan, and whether the draft pays at this budget.
 
@@ -247,7 +290,7 @@ def prepare(request: Request) -> Prepared:
     auto = request.strategy is None
     r = replace(request, strategy=request.strategy or ("stream" if request.mem or request.plan_dir else "mmap"))
     _check(r)
-    path = catalog.resolve(r.model)
+    path = _plan_model(r) or catalog.resolve(r.model)
     r.model = str(path)
     model = load(path)
     n_prompt = _check_prompt_length(model, r)
@@ -257,6 +300,8 @@ def prepare(request: Request) -> Prepared:
         limit = placers.parse_mem(r.mem, devices.parse_endpoints(r.rpc), model)[0]
     else:
         limit = budgets.parse_size(r.mem, model.file_size) if r.mem else None
+    if r.precision:  # the mixed file and its plan, saved like plan -o writes them; the run streams by them
+        r, model = _precision_plan(r, model, limit)
     if r.rpc:  # llama.cpp aborts on a server it cannot reach: each is asked first, for a one-line error
         from . import devices
 

@@ -17,6 +17,7 @@ import click
 from . import FlexoffloadError, __version__
 from . import budget as budgets
 from . import models as catalog
+from .precision import LADDER
 
 PLACEMENTS = ("auto", "oato", "layers", "split")  # placers.solve's policies
 from .budget import MiB, format_size
@@ -128,14 +129,21 @@ def _report(result: dict, as_json: bool) -> None:
               help="with --rpc: the last layers to offload to the servers, each with its KV cache (llama.cpp's -ngl)")
 @click.option("--placement", type=click.Choice(PLACEMENTS), default="auto", show_default=True,
               help="with --rpc and --mem: how weights are placed across the devices")
+@click.option("--precision", type=click.Choice(["auto"]), default=None,
+              help="with --mem: lower some tensors' types where it costs the least quality per byte saved "
+                   "(profile --precision measures it) [default: the file's own types]")
+@click.option("--max-kld", type=float, default=None,
+              help="with --precision auto: the fastest plan whose summed KL divergence is at most this [0.05]")
+@click.option("--min-tok-s", type=float, default=None,
+              help="with --precision auto: instead, the least harm that reaches this predicted tok/s")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object instead of text and timings")
 @click.option("-v", "--verbose", is_flag=True, help="show llama.cpp's log")
 @_errors_as_one_line
 def run(model_spec, prompt, prompt_file, n_predict, ctx_size, batch_size, n_ubatch, flash_attn, cache_type_k,
         cache_type_v, threads, temp, seed,
         mem, enforce, strategy, policy, plan_dir, window, io_threads, draft_spec, draft_max, draft_p_split, spec_mode,
-        no_pacer, no_adaptive, no_adaptive_split, pipeline, draft_always, tuned, rpc, n_gpu_layers, placement, as_json,
-        verbose):
+        no_pacer, no_adaptive, no_adaptive_split, pipeline, draft_always, tuned, rpc, n_gpu_layers, placement,
+        precision, max_kld, min_tok_s, as_json, verbose):
     """Generate text from a prompt (with -md: speculation by a resident draft model)."""
     from . import api
 
@@ -143,7 +151,7 @@ def run(model_spec, prompt, prompt_file, n_predict, ctx_size, batch_size, n_ubat
                                  seed, mem, strategy, policy, plan_dir, window, io_threads, draft_spec, draft_max,
                                  draft_p_split, spec_mode, no_pacer, no_adaptive, no_adaptive_split, pipeline,
                                  draft_always, tuned, verbose, rpc, n_gpu_layers, placement, n_ubatch, flash_attn,
-                                 cache_type_k, cache_type_v)
+                                 cache_type_k, cache_type_v, precision, max_kld, min_tok_s)
     on_text = None if as_json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
     result = api.generate(request, on_text, enforce=enforce, echo=lambda msg: click.echo(msg, err=True))
     _report(result, as_json)
@@ -153,7 +161,7 @@ def request_from_flags(model_spec, prompt, prompt_file, n_predict, ctx_size, bat
                        strategy, policy, plan_dir, window, io_threads, draft_spec, draft_max, draft_p_split,
                        spec_mode, no_pacer, no_adaptive, no_adaptive_split, pipeline, draft_always, tuned, verbose,
                        rpc=None, n_gpu_layers=0, placement="auto", n_ubatch=0, flash_attn="auto",
-                       cache_type_k="f16", cache_type_v="f16"):
+                       cache_type_k="f16", cache_type_v="f16", precision=None, max_kld=None, min_tok_s=None):
     """api.Request from `run`'s flags (the prompt read from -f as llama.cpp reads it)."""
     from . import api
 
@@ -164,7 +172,8 @@ def request_from_flags(model_spec, prompt, prompt_file, n_predict, ctx_size, bat
         draft_p_split=draft_p_split, spec=spec_mode, pacer=not no_pacer, adaptive=not no_adaptive,
         adaptive_split=not no_adaptive_split, pipeline=pipeline, draft_always=draft_always, tuned=tuned,
         verbose=verbose, rpc=rpc, n_gpu_layers=n_gpu_layers, placement=placement, n_ubatch=n_ubatch,
-        flash_attn=flash_attn, cache_type_k=cache_type_k, cache_type_v=cache_type_v)
+        flash_attn=flash_attn, cache_type_k=cache_type_k, cache_type_v=cache_type_v, precision=precision,
+        max_kld=max_kld, min_tok_s=min_tok_s)
 
 
 def request_from_args(args: list[str]):
@@ -216,9 +225,15 @@ def bench(model_spec, mems, strategies, repetitions, n_predict, prompt, ctx_size
 @click.option("--rpc", "rpc", metavar="HOST:PORT,...",
               help="with --ops: each RPC server's device as well (its compute against this CPU's, a visit's cost, "
                    "its link), from whole tokens with layers placed on it")
+@click.option("--precision", is_flag=True,
+              help="measure the harm of each lower type per group of tensors (KL divergence, UQEst) for "
+                   "plan --precision auto")
+@click.option("--groups", "n_groups", default=4, show_default=True, help="with --precision: layer groups per kind")
+@click.option("--types", "ladder", default=",".join(LADDER),
+              show_default=True, help="with --precision: the lower types a tensor may take")
 @click.option("--json", "as_json", is_flag=True)
 @_errors_as_one_line
-def profile(model_spec, threads, remeasure, ops, batch_size, rpc, as_json):
+def profile(model_spec, threads, remeasure, ops, batch_size, rpc, precision, n_groups, ladder, as_json):
     """Measure disk bandwidth and compute speed for the cost model (cached per model file)."""
     from . import profile as profiler
     from .costmodel import compute_seconds
@@ -227,6 +242,9 @@ def profile(model_spec, threads, remeasure, ops, batch_size, rpc, as_json):
     model = load(catalog.resolve(model_spec))
     if rpc and not ops:
         raise FlexoffloadError("--rpc profiles the servers' devices with --ops")
+    if precision:
+        _profile_precision(model, threads, n_groups, ladder, remeasure, as_json)
+        return
     if ops:
         _profile_ops(model, threads, batch_size, remeasure, as_json, rpc)
         return
@@ -237,6 +255,37 @@ def profile(model_spec, threads, remeasure, ops, batch_size, rpc, as_json):
         return
     click.echo(f"{model.path.name}: disk {p.disk_bw / 1e9:.2f} GB/s with O_DIRECT, {p.io_latency * 1e6:.0f} us "
                f"a small read; decode {tok_s:.2f} tok/s with every weight in memory ({threads} threads)")
+
+
+def _profile_precision(model, threads, n_groups, ladder, remeasure, as_json) -> None:
+    """profile --precision: sensitivity.measure with a progress bar on stderr, then its table (or --json)."""
+    from dataclasses import asdict
+
+    from tqdm import tqdm
+
+    from . import precision, sensitivity
+
+    types = tuple(precision.qtype(x.strip()).name for x in ladder.split(",") if x.strip())
+    if n_groups < 1 or n_groups > model.n_layer:
+        raise FlexoffloadError(f"--groups must be between 1 and the model's {model.n_layer} layers, not {n_groups}")
+    bar = tqdm(desc="precision", unit="group", file=sys.stderr, disable=None)
+
+    def on_row(row, done, total):
+        bar.total = total
+        bar.n = done
+        bar.set_postfix_str(f"{row.group} {row.type}: KLD {row.kld:.4f}")
+
+    result = sensitivity.measure(model, n_groups, types, threads, remeasure, on_row)
+    bar.close()
+    if as_json:
+        click.echo(json.dumps(asdict(result)))
+        return
+    click.echo(f"{model.path.name}: UQEst {result.base_uqest:.3f} nats, perplexity {result.base_ppl:.3f} on the "
+               f"calibration text (HumanEval 0-39)")
+    click.echo(f"{'group':<24} {'type':<6} {'MiB saved':>9} {'KLD':>9} {'UQEst +':>8} {'same top':>8}")
+    for r in sorted(result.rows, key=lambda r: r.kld / max(r.bytes_saved, 1)):
+        click.echo(f"{r.group:<24} {r.type:<6} {r.bytes_saved / 2**20:9.1f} {r.kld:9.5f} {r.uqest_delta:+8.3f} "
+                   f"{r.same_top:8.1%}")
 
 
 @main.command()
@@ -270,10 +319,18 @@ def profile(model_spec, threads, remeasure, ops, batch_size, rpc, as_json):
               help="with --max-prompt or --prompt-len: the KV cache's K type")
 @click.option("-ctv", "--cache-type-v", "cache_type_v", type=click.Choice(KV_TYPES), default="f16", show_default=True,
               help="with --max-prompt or --prompt-len: the KV cache's V type")
+@click.option("--precision", type=click.Choice(["auto"]), default=None,
+              help="with --mem: lower some tensors' types where it costs the least quality per byte saved "
+                   "(profile --precision measures it) [default: the file's own types]")
+@click.option("--max-kld", type=float, default=None,
+              help="with --precision auto: the fastest plan whose summed KL divergence is at most this [0.05]")
+@click.option("--min-tok-s", type=float, default=None,
+              help="with --precision auto: instead, the least harm that reaches this predicted tok/s")
 @click.option("--json", "as_json", is_flag=True)
 @_errors_as_one_line
 def plan(model_spec, mem, policy, rpc, placement, ctx_size, batch_size, threads, window, io_threads, out_dir, tune_best,
-         tune_rounds, max_prompt, prompt_len, n_predict, flash_attn, cache_type_k, cache_type_v, as_json):
+         tune_rounds, max_prompt, prompt_len, n_predict, flash_attn, cache_type_k, cache_type_v, precision, max_kld,
+         min_tok_s, as_json):
     """Choose which tensors stay resident under a budget; write tensors.ot and plan.json."""
     from . import plan as plans
     from . import profile as profiler
@@ -286,7 +343,16 @@ def plan(model_spec, mem, policy, rpc, placement, ctx_size, batch_size, threads,
         return
     if out_dir is None:
         raise FlexoffloadError("plan writes its files to -o DIR")
+    if (max_kld is not None or min_tok_s is not None) and not precision:
+        raise FlexoffloadError("--max-kld and --min-tok-s bound --precision auto")
     profile = profiler.measure(model, threads)
+    if precision:
+        if rpc or tune_best is not None or policy != "balanced" or window is not None:
+            raise FlexoffloadError("--precision auto plans with the balanced policy: not with --rpc, --tune, "
+                                   "--policy or --window, for now")
+        _plan_precision(model, budgets.parse_size(mem, model.file_size), profile, ctx_size, batch_size, threads,
+                        io_threads, max_kld, min_tok_s, out_dir, as_json)
+        return
     if rpc:
         _plan_placement(model, rpc, mem, placement, profile, threads, ctx_size, batch_size, io_threads, out_dir,
                         as_json)
@@ -318,6 +384,42 @@ def plan(model_spec, mem, policy, rpc, placement, ctx_size, batch_size, threads,
         from . import tune
 
         click.echo("  tuned: the candidates, measured under the budget\n" + tune.describe(p))
+
+
+def _plan_precision(model, budget, profile, ctx_size, batch_size, threads, io_threads, max_kld, min_tok_s, out_dir,
+                    as_json):
+    """plan --precision auto: precision and residency together (mixed.py), the requantized file's quality measured."""
+    from tqdm import tqdm
+
+    from . import mixed
+    from . import plan as plans
+
+    bar = tqdm(desc="precision", unit="group", file=sys.stderr, disable=None)
+
+    def on_row(row, done, total):
+        bar.total, bar.n = total, done
+        bar.set_postfix_str(f"{row.group} {row.type}")
+
+    p, walk = mixed.plan(model, budget, profile, ctx_size, batch_size, max_kld, min_tok_s, threads, io_threads,
+                         on_row=on_row)
+    bar.close()
+    plans.write(p, out_dir)
+    if as_json:
+        click.echo(json.dumps({**p.to_dict(), "walk": [
+            {"steps": len(x.steps), "kld": x.kld, "weight_bytes": x.weight_bytes,
+             "predicted_tok_s": x.predicted_tok_s} for x in walk.points]}))
+        return
+    r = p.precision
+    click.echo(f"{model.path.name}: {len(r['types'])} tensors lowered ({len(r['steps'])} steps), weights "
+               f"{format_size(r['source_weight_bytes'])} -> {format_size(r['weight_bytes'])}, written to {p.model}")
+    click.echo(f"  predicted {p.predicted_tok_s:.2f} tok/s at {format_size(budget)} (the file's own types: "
+               f"{r['own_types_tok_s']:.2f}); KL divergence summed over the groups {r['predicted_kld']:.4f}")
+    if "measured" in r:
+        q = r["measured"]
+        click.echo(f"  measured: KL divergence {q['kld']:.4f} (calibration), {q['held_out_kld']:.4f} (held out); "
+                   f"held-out perplexity {q['held_out_ppl']:.3f} vs {q['held_out_ppl_base']:.3f}; UQEst "
+                   f"{q['uqest']:.3f} vs {q['uqest_base']:.3f}")
+    click.echo(f"  plan written to {out_dir}: run it with flexoffload run --plan {out_dir}")
 
 
 def _plan_prompt(model, mem, max_prompt, prompt_len, n_predict, flash_attn, cache_types, as_json):

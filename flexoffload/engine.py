@@ -315,6 +315,10 @@ class Engine:
         n_max = len(data) + 8
         buf = (self.lib.llama_token * n_max)()
         n = self.lib.llama_tokenize(self.vocab, data, len(data), buf, n_max, add_special, True)
+        if n < 0 and -n > n_max:  # more tokens than bytes (byte fallback of a multi-byte piece): -n is the count
+            n_max = -n
+            buf = (self.lib.llama_token * n_max)()
+            n = self.lib.llama_tokenize(self.vocab, data, len(data), buf, n_max, add_special, True)
         if n < 0:
             raise FlexoffloadError("prompt could not be tokenized")
         return list(buf[:n])

@@ -33,7 +33,7 @@ def data_path() -> Path:
 
 
 @lru_cache(maxsize=1)
-def _problems() -> dict[int, tuple[str, str]]:
+def _problems() -> dict[int, tuple[str, str, str]]:
     path = data_path()
     try:
         with gzip.open(path, "rt", encoding="utf-8") as f:
@@ -43,7 +43,7 @@ def _problems() -> dict[int, tuple[str, str]]:
     problems = {}
     for task in tasks:
         number = int(task["task_id"].rpartition("/")[2])
-        problems[number] = (task["task_id"], task["prompt"])
+        problems[number] = (task["task_id"], task["prompt"], task.get("canonical_solution", ""))
     if len(problems) != N_PROBLEMS:
         raise FlexoffloadError(f"the HumanEval data at {path} has {len(problems)} problems, not {N_PROBLEMS}")
     return problems
@@ -56,8 +56,15 @@ def prompts(ids) -> list[tuple[str, str]]:
     for i in ids:
         if i not in problems:
             raise FlexoffloadError(f"no HumanEval problem {i}: the problems are 0-{N_PROBLEMS - 1}")
-        out.append(problems[i])
+        out.append(problems[i][:2])
     return out
+
+
+def solved(ids) -> str:
+    """The problems' prompts with their canonical solutions, one after another: code text to calibrate or measure a
+    model on (precision.py: the tuning problems calibrate, the evaluation problems are held out)."""
+    problems = _problems()
+    return "\n\n".join(prompt + problems[int(task_id.rpartition("/")[2])][2] for task_id, prompt in prompts(ids))
 
 
 def spread(pool: range, count: int) -> list[int]:

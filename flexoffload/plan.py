@@ -72,6 +72,8 @@ class Plan:
     # device, or back to the CPU (their bytes are not in memory.resident: that is this machine's)
     placement: dict | None = None  # across devices (placement.py): -ngl, -ts, the devices' predicted time, memory
     # and transfer; tensors the layer assignment puts on a device are resident here too, at no bytes
+    precision: dict | None = None  # plan --precision auto (mixed.py): the source file, the types changed, the
+    # predicted and measured quality; `model` is then the requantized file
 
     def to_dict(self) -> dict:
         d = asdict(self)
