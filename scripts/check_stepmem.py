@@ -4,7 +4,7 @@ size, flash attention on and off, streamed by a plan for the budget whose costs 
 (stepmem.run_costs). Predicted: the plan's unreclaimable memory; measured: the peak of what the run cannot give
 back (anonymous, locked, kernel), in a cgroup with room to spare; one run each.
 
-    scripts/check_stepmem.py [--mem 0.5x] [--prompt-tokens 2000] [-o results/stepmem_qwen1.5b.csv]
+    scripts/check_stepmem.py [-m MODEL] [--mem 0.5x] [--prompt-tokens 2000] [-o results/stepmem_qwen1.5b.csv]
 """
 
 import argparse
@@ -25,6 +25,7 @@ from matrix import long_prompt, run  # noqa: E402
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("-m", "--model", default="qwen2.5-coder-1.5b-instruct")
     ap.add_argument("--mem", default="0.5x")
     ap.add_argument("--prompt-tokens", type=int, default=2000)
     ap.add_argument("--ubatches", default="32,128,512,2048")
@@ -36,7 +37,7 @@ def main() -> None:
     if opts.chosen:
         chosen(opts)
         return
-    path = models.resolve("qwen2.5-coder-1.5b-instruct")
+    path = models.resolve(opts.model)
     model = load(path)
     limit = budgets.parse_size(opts.mem, model.file_size)
     prompt = long_prompt(path, opts.prompt_tokens)
