@@ -125,9 +125,9 @@ def _check(r: Request) -> None:
         raise FlexoffloadError("-ngl must be at least 0")
     if r.precision not in (None, "auto"):
         raise FlexoffloadError(f"--precision takes auto (the file's own types: leave it out), not {r.precision}")
-    if r.precision and (not r.mem or r.plan_dir or r.rpc or r.draft or r.strategy != "stream"):
-        raise FlexoffloadError("--precision auto plans precision with residency under --mem: not with --plan, --rpc, "
-                               "-md or another --strategy, for now")
+    if r.precision and (not r.mem or r.plan_dir or r.rpc or r.strategy != "stream"):
+        raise FlexoffloadError("--precision auto plans precision with residency under --mem: not with --plan, --rpc "
+                               "or another --strategy, for now")
     if (r.max_kld is not None or r.min_tok_s is not None) and not r.precision:
         raise FlexoffloadError("--max-kld and --min-tok-s bound --precision auto")
 
@@ -248,6 +248,21 @@ def _check_prompt_length(model, r: Request) -> int:
     return n
 
 
+def _draft_bytes(draft_model, r: Request) -> int:
+    """What the resident draft model takes out of the target's budget."""
+    from . import speculate, spectree
+
+    return budgets.resident_bytes(draft_model, r.n_ctx, r.n_batch, spectree.MAX_BRANCHES, spectree.MAX_BRANCHES,
+                                  speculate.draft_by_rows(draft_model))
+
+
+def _tree_outputs(r: Request) -> int:
+    """A logits row per tree node (the node budget is memory), and llama.cpp keeps one per sequence."""
+    from . import spectree
+
+    return max(r.draft_max or spectree.MAX_NODES, spectree.MAX_BRANCHES + 1)
+
+
 def _plan_model(r: Request):
     """A saved plan of lowered precision runs its own (requantized) file: given -m, that must be its source."""
     if not r.plan_dir:
@@ -268,15 +283,20 @@ def _plan_model(r: Request):
 def _precision_plan(r: Request, model, limit: int):
     """run --precision auto: the plan mixed.py chooses (quality not measured again: plan --precision reports it),
     written to the cache; the request then runs the requantized file by it."""
-    from . import mixed
+    from . import mixed, spectree
     from . import plan as plans
     from . import profile as profiler
     from .defaults import cache_dir
     from .model import load
 
+    run = {}
+    if r.draft:  # the target's plan leaves the resident draft its memory, and the tree its rows and sequences
+        draft_model = load(catalog.resolve(r.draft))
+        run = {"n_outputs": _tree_outputs(r), "n_seq_max": spectree.MAX_BRANCHES + 1,
+               "draft": _draft_bytes(draft_model, r)}
     plan, _ = mixed.plan(model, limit, profiler.measure(model, r.n_threads), r.n_ctx, r.n_batch, r.max_kld,
-                         r.min_tok_s, r.n_threads, r.io_threads, measure_quality=False)
-    directory = cache_dir() / "plans" / Path(plan.model).stem / f"{limit}-{r.n_ctx}-{r.n_batch}"
+                         r.min_tok_s, r.n_threads, r.io_threads, measure_quality=False, **run)
+    directory = cache_dir() / "plans" / Path(plan.model).stem / f"{limit}-{r.n_ctx}-{r.n_batch}-{bool(r.draft)}"
     plans.write(plan, directory)
     return replace(r, model=plan.model, plan_dir=str(directory)), load(plan.model)
 
@@ -347,7 +367,7 @@ def prepare(request: Request) -> Prepared:
                     model, plan, setting, profiler.measure(model, r.n_threads))
         return prepared
 
-    from . import speculate, spectree
+    from . import spectree
 
     if r.draft_max is not None and not 2 <= r.draft_max <= spectree.MAX_NODES:
         raise FlexoffloadError(f"--draft-max must be between 2 and {spectree.MAX_NODES}")
@@ -355,10 +375,8 @@ def prepare(request: Request) -> Prepared:
         raise FlexoffloadError("--draft-p-split must be in (0, 1]")
     draft_model = load(catalog.resolve(r.draft))
     r.draft = str(draft_model.path)
-    draft_bytes = budgets.resident_bytes(draft_model, r.n_ctx, r.n_batch, spectree.MAX_BRANCHES,
-                                         spectree.MAX_BRANCHES, speculate.draft_by_rows(draft_model))
-    # a logits row per tree node (the node budget is memory), and llama.cpp keeps one per sequence
-    n_outputs = max(r.draft_max or spectree.MAX_NODES, spectree.MAX_BRANCHES + 1)
+    draft_bytes = _draft_bytes(draft_model, r)
+    n_outputs = _tree_outputs(r)
     n_seq_max = spectree.MAX_BRANCHES + 1  # as speculate.target_settings
     plan = plan_for_run(model, r, limit, n_outputs, n_seq_max, draft_bytes)
     prepared = Prepared(r, model, limit, plan, draft_model, draft_bytes)
@@ -426,6 +444,8 @@ def run_prepared(p: Prepared, on_text=None) -> dict:
                           "resident_mb": plan.memory.resident / MiB,
                           "streamed_mb": plans.streamed_bytes(plan, model) / MiB,
                           "predicted_tok_s": plan.predicted_tok_s, "roofline_tok_s": plan.roofline_tok_s}
+        if plan.precision:  # the model run is the plan's requantized file (result["model"])
+            result["plan"]["precision"] = {k: plan.precision[k] for k in ("source", "types", "predicted_kld")}
         if p.resident_after_prefill:
             sizes = {t.name: t.n_bytes for t in model.tensors}
             result["plan"]["after_prefill"] = {

@@ -122,16 +122,17 @@ def uniform(model: Model, type_name: str) -> dict[str, str]:
 
 
 def search(model: Model, budget: int, sens: Sensitivity, profile, n_ctx: int, n_batch: int,
-           io_threads: int | None = None) -> Walk:
+           io_threads: int | None = None, **run) -> Walk:
     """The walk under a budget: each point planned by the balanced residency planner; a point the budget cannot
-    hold at all (the file's own types may not fit where lower ones do) predicts 0 tok/s."""
+    hold at all (the file's own types may not fit where lower ones do) predicts 0 tok/s. run: plan_budget's
+    n_outputs, n_seq_max and draft (speculation: a tree's rows, its sequences, the resident draft's bytes)."""
     from .defaults import IO_THREADS
     from .planners import plan_budget
 
     def predict(m: Model) -> float:
         try:
-            return plan_budget(m, budget, "balanced", profile, n_ctx, n_batch,
-                               io_threads=io_threads or IO_THREADS).predicted_tok_s
+            return plan_budget(m, budget, "balanced", profile, n_ctx, n_batch, io_threads=io_threads or IO_THREADS,
+                               **run).predicted_tok_s
         except FlexoffloadError:
             return 0.0
 
@@ -152,10 +153,10 @@ def choose(walk_: Walk, max_kld: float | None, min_tok_s: float | None) -> Point
 
 def plan(model: Model, budget: int, profile, n_ctx: int, n_batch: int, max_kld: float | None = None,
          min_tok_s: float | None = None, n_threads: int | None = None, io_threads: int | None = None,
-         measure_quality: bool = True, on_row=None):
+         measure_quality: bool = True, on_row=None, **run):
     """plan --precision auto: the walk, the chosen point's file written (requantized with the calibration text's
     importance matrix), its residency planned on the file itself with its own profile, its quality measured.
-    Returns (the residency Plan of the mixed file, with a `precision` record; the walk)."""
+    Returns (the residency Plan of the mixed file, with a `precision` record; the walk). run: as search's."""
     from . import profile as profiler
     from . import sensitivity
     from .costmodel import Profile
@@ -164,7 +165,7 @@ def plan(model: Model, budget: int, profile, n_ctx: int, n_batch: int, max_kld: 
     from .planners import plan_budget
 
     sens = sensitivity.measure(model, n_threads=n_threads, on_row=on_row)
-    walk_ = search(model, budget, sens, profile, n_ctx, n_batch, io_threads)
+    walk_ = search(model, budget, sens, profile, n_ctx, n_batch, io_threads, **run)
     point = choose(walk_, max_kld, min_tok_s)
     matrix = precision.imatrix(model, sensitivity.calibration_text(), n_threads=n_threads)
     path = precision.requantize(model, point.types, matrix, n_threads=n_threads) if point.types else model.path
@@ -172,7 +173,8 @@ def plan(model: Model, budget: int, profile, n_ctx: int, n_batch: int, max_kld: 
     # the mixed file computes at its own speed (a Q2_K byte is not a Q4_K byte); the disk is the source's measure,
     # so the two predictions differ by the types alone
     own = Profile.calibrated(mixed, profiler.compute_speed(path, n_threads or 1), profile.disk_bw, profile.io_latency)
-    residency = plan_budget(mixed, budget, "balanced", own, n_ctx, n_batch, io_threads=io_threads or IO_THREADS)
+    residency = plan_budget(mixed, budget, "balanced", own, n_ctx, n_batch, io_threads=io_threads or IO_THREADS,
+                            **run)
     record = {"source": str(model.path), "types": point.types, "steps": [list(s) for s in point.steps],
               "weight_bytes": point.weight_bytes, "source_weight_bytes": model.weight_bytes,
               "predicted_kld": point.kld, "predicted_uqest_delta": point.uqest_delta,

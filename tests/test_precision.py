@@ -188,3 +188,16 @@ def test_precision_errors_are_one_line(wide, cache):
             (["run", "--precision", "auto", "-p", "x"], "under --mem")):
         r = cli(*args[:1], "-m", str(wide.path), *args[1:])
         assert r.returncode != 0 and message in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_speculation_with_a_mixed_target_is_lossless(wide, cache, tmp_path):
+    """run -md --precision auto: the target's plan leaves the draft its memory; greedy tokens are the mixed file's own."""
+    draft = synth.write(tmp_path / "draft.gguf", synth.Shape(n_layer=1, n_embd=256, n_ff=256, n_head=4, n_head_kv=2,
+                                                              n_vocab=384, n_ctx_train=1024), seed=1)
+    prompt = "def add(a, b):"
+    r = json.loads(cli("run", "-m", str(wide.path), "-md", str(draft), "--mem", "150M", "--precision", "auto",
+                       "--max-kld", "0.01", "-p", prompt, "-n", "16", "--temp", "0", "-t", "2", "--draft-always",
+                       "--json", check=True).stdout)
+    mixed_file = r["model"]["path"]
+    assert r["plan"]["precision"]["types"] and r["plan"]["precision"]["source"] == str(wide.path) != mixed_file
+    assert r["n_gen"] == 16 and r["text"] == llama_completion(mixed_file, prompt, 16)
