@@ -266,6 +266,10 @@ def _profile_precision(model, threads, n_groups, ladder, remeasure, as_json) -> 
     from . import precision, sensitivity
 
     types = tuple(precision.qtype(x.strip()).name for x in ladder.split(",") if x.strip())
+    for name in types:
+        if not precision.cpu_can_run(name):
+            raise FlexoffloadError(f"{name} has no dot product in the CPU backend: --types takes types it runs "
+                                   f"({', '.join(LADDER)}, IQ types)")
     if n_groups < 1 or n_groups > model.n_layer:
         raise FlexoffloadError(f"--groups must be between 1 and the model's {model.n_layer} layers, not {n_groups}")
     bar = tqdm(desc="precision", unit="group", file=sys.stderr, disable=None)

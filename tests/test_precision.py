@@ -184,6 +184,7 @@ def test_precision_errors_are_one_line(wide, cache):
              "the fastest is"),
             (["plan", "--mem", "120M", "--max-kld", "0.1", "-o", "x"], "bound --precision auto"),
             (["profile", "--precision", "--types", "Q4_K,Q9_K"], "Q9_K is not a ggml type"),
+            (["profile", "--precision", "--types", "Q4_K,Q8_K"], "Q8_K has no dot product in the CPU backend"),
             (["profile", "--precision", "--groups", "0"], "--groups must be between 1"),
             (["run", "--precision", "auto", "-p", "x"], "under --mem")):
         r = cli(*args[:1], "-m", str(wide.path), *args[1:])
