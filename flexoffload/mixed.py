@@ -9,8 +9,9 @@ under the budget and the cost model predicts its tok/s. That walk is the trade-o
 (--max-kld) or a speed target (--min-tok-s) picks the point on it.
 
 A plan's harm is the sum of its groups' measured divergences: an approximation (two changes can compound or
-cancel), so the chosen plan's requantized file is measured itself before it is reported (`check`), against
-uniform plans of the same size (every group at one type: what a user would get from llama-quantize alone).
+cancel), so the chosen plan's requantized file is measured itself before it is reported. The walk is checked
+against uniform plans (every group at one type: what llama-quantize alone does to a file), counted the same way:
+one of them is taken where it is predicted faster within the bound.
 """
 
 from __future__ import annotations
@@ -38,18 +39,19 @@ class Point:
 @dataclass
 class Walk:
     points: list[Point] = field(default_factory=list)
+    alternatives: list[Point] = field(default_factory=list)  # uniform plans: every group at one type
 
     def fastest(self, max_kld: float) -> Point:
-        within = [p for p in self.points if p.kld <= max_kld]
+        within = [p for p in self.points + self.alternatives if p.kld <= max_kld]
         if not within:
             raise FlexoffloadError(f"no plan has a KL divergence of at most {max_kld}: the least is "
                                    f"{min(p.kld for p in self.points):.4f}")
         return max(within, key=lambda p: (p.predicted_tok_s, -p.kld))
 
     def least_harm(self, min_tok_s: float) -> Point:
-        fast = [p for p in self.points if p.predicted_tok_s >= min_tok_s]
+        fast = [p for p in self.points + self.alternatives if p.predicted_tok_s >= min_tok_s]
         if not fast:
-            best = max(self.points, key=lambda p: p.predicted_tok_s)
+            best = max(self.points + self.alternatives, key=lambda p: p.predicted_tok_s)
             raise FlexoffloadError(f"no plan is predicted at {min_tok_s} tok/s or more under this budget: the fastest "
                                    f"is {best.predicted_tok_s:.2f} tok/s (KL divergence {best.kld:.4f})")
         return min(fast, key=lambda p: (p.kld, -p.predicted_tok_s))
@@ -111,13 +113,21 @@ def walk(model: Model, sens: Sensitivity, predict, max_steps: int | None = None)
     return out
 
 
-def uniform(model: Model, type_name: str) -> dict[str, str]:
-    """Every re-typable tensor above type_name's bits at type_name (where its rows allow): a plain requantization."""
-    q = precision.qtype(type_name)
-    out = {}
-    for t in model.tensors:
-        if type_name in precision.candidates(t, (q.name,)):
-            out[t.name] = q.name
+UNIFORM = ("Q5_K", "Q4_K", "Q3_K", "Q2_K")
+
+
+def uniform(model: Model, sens: Sensitivity, predict) -> list[Point]:
+    """The alternatives the walk is checked against: every group that was measured at a type lowered to it (what
+    llama-quantize alone does to a whole file), its harm summed the same way."""
+    out = []
+    for ty in UNIFORM:
+        rows = [r for r in sens.rows if r.type == ty]
+        if not rows:
+            continue
+        types = {name: ty for r in rows for name in r.tensors}
+        m = retyped(model, types)
+        out.append(Point(types, (("all", ty),), sum(max(r.kld, 0.0) for r in rows),
+                         sum(r.uqest_delta for r in rows), m.weight_bytes, predict(m)))
     return out
 
 
@@ -136,7 +146,9 @@ def search(model: Model, budget: int, sens: Sensitivity, profile, n_ctx: int, n_
         except FlexoffloadError:
             return 0.0
 
-    return walk(model, sens, predict)
+    out = walk(model, sens, predict)
+    out.alternatives = uniform(model, sens, predict)
+    return out
 
 
 def choose(walk_: Walk, max_kld: float | None, min_tok_s: float | None) -> Point:
@@ -179,6 +191,8 @@ def plan(model: Model, budget: int, profile, n_ctx: int, n_batch: int, max_kld: 
               "weight_bytes": point.weight_bytes, "source_weight_bytes": model.weight_bytes,
               "predicted_kld": point.kld, "predicted_uqest_delta": point.uqest_delta,
               "walk_tok_s": point.predicted_tok_s, "own_types_tok_s": walk_.points[0].predicted_tok_s,
+              "alternatives": [{"type": p.steps[0][1], "predicted_kld": p.kld, "weight_bytes": p.weight_bytes,
+                                "predicted_tok_s": p.predicted_tok_s} for p in walk_.alternatives],
               "bound": {"max_kld": max_kld if min_tok_s is None else None, "min_tok_s": min_tok_s}}
     if measure_quality and point.types:
         record["measured"] = sensitivity.quality(model, path, n_threads)
