@@ -158,11 +158,11 @@ def test_the_walk_lowers_the_least_harm_per_byte_first(wide):
         mixed.choose(w, None, 1e9)
     with pytest.raises(FlexoffloadError, match="not both"):
         mixed.choose(w, 0.1, 1.0)
-    # the uniform alternatives: every group at Q3_K saves what the walk's second point saves, at more harm
+    # the uniform alternatives: every group at Q3_K keeps more bytes than the walk's second point, at more harm
     w.alternatives = mixed.uniform(wide, sens, lambda m: 1e6 / m.weight_bytes)
     q3 = next(p for p in w.alternatives if p.steps == (("all", "Q3_K"),))
-    assert q3.kld == pytest.approx(0.011) and q3.weight_bytes == w.points[2].weight_bytes
-    assert mixed.choose(w, 0.012, None) is w.points[2]  # as fast, less harm
+    assert q3.kld == pytest.approx(0.011) and q3.weight_bytes > w.points[2].weight_bytes
+    assert mixed.choose(w, 0.012, None) is w.points[2]
     w.points = w.points[:2]  # a walk cut short: the alternative is faster within the bound, and taken
     assert mixed.choose(w, 0.012, None) is q3
 
