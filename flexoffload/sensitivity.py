@@ -309,14 +309,20 @@ def measure(model: Model, n_groups: int = N_GROUPS, ladder: tuple[str, ...] = pr
 def quality(model: Model, path: Path, n_threads: int | None = None) -> dict:
     """A re-typed file of the model against the model itself: KL divergence on the calibration text (what the plan's
     bound is in) and on the held-out text (HumanEval 40-163, never used to choose), the held-out perplexity of both,
-    and UQEst on the calibration prompts against the model's own."""
+    and UQEst on the calibration prompts against the model's own. Cached per file (two plans may pick one)."""
+    cached = cache_dir() / "precision" / f"{file_key(path)}-quality-{precision.native_key()}.json"
+    if cached.is_file():
+        return json.loads(cached.read_text())
     calibration, held_out = calibration_text(), held_out_text()
     on_calibration = kld(path, kld_base(model, calibration, n_threads=n_threads), calibration, n_threads=n_threads)
     on_held_out = kld(path, kld_base(model, held_out, n_threads=n_threads), held_out, n_threads=n_threads)
     prompts = calibration_prompts()
     own, mixed = uqest(model.path, prompts, n_threads=n_threads), uqest(path, prompts, n_threads=n_threads)
-    return {"kld": on_calibration["kld"], "kld_err": on_calibration["kld_err"],
-            "held_out_kld": on_held_out["kld"], "held_out_kld_err": on_held_out["kld_err"],
-            "held_out_ppl": on_held_out["ppl"], "held_out_ppl_base": on_held_out["ppl_base"],
-            "same_top": on_held_out["same_top"], "uqest": mixed["uqest"], "uqest_base": own["uqest"],
-            "same_tokens": _same_share(own["tokens"], mixed["tokens"])}
+    out = {"kld": on_calibration["kld"], "kld_err": on_calibration["kld_err"],
+           "held_out_kld": on_held_out["kld"], "held_out_kld_err": on_held_out["kld_err"],
+           "held_out_ppl": on_held_out["ppl"], "held_out_ppl_base": on_held_out["ppl_base"],
+           "same_top": on_held_out["same_top"], "uqest": mixed["uqest"], "uqest_base": own["uqest"],
+           "same_tokens": _same_share(own["tokens"], mixed["tokens"])}
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    cached.write_text(json.dumps(out))
+    return out
