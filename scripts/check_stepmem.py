@@ -5,6 +5,10 @@ size, flash attention on and off, streamed by a plan for the budget whose costs 
 back (anonymous, locked, kernel), in a cgroup with room to spare; one run each.
 
     scripts/check_stepmem.py [-m MODEL] [--mem 0.5x] [--prompt-tokens 2000] [-o results/stepmem_qwen1.5b.csv]
+
+With --resident, every weight in memory (no budget: nothing for a plan to fill), so the prediction is the estimate
+itself: weights + KV cache + the pass's buffers + heap, runtime and kernel, against the run's peak.
+--from-ttft CSV predicts the compute-bound rows repro_hypergen measured (512-16384 tokens) the same way.
 """
 
 import argparse
@@ -30,12 +34,17 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=2000)
     ap.add_argument("--ubatches", default="32,128,512,2048")
     ap.add_argument("-o", "--output", default="results/stepmem_qwen1.5b.csv")
+    ap.add_argument("--resident", action="store_true", help="every weight resident, no budget (see above)")
+    ap.add_argument("--from-ttft", metavar="CSV", help="predict repro_hypergen's compute-bound rows (see above)")
     ap.add_argument("--chosen", action="store_true",
                     help="instead: the ubatch run chooses for the prompt (prefill.py), its predicted and measured time "
                          "to first token (-o results/prefill_chosen_qwen1.5b.csv)")
     opts = ap.parse_args()
     if opts.chosen:
         chosen(opts)
+        return
+    if opts.resident or opts.from_ttft:
+        resident(opts)
         return
     path = models.resolve(opts.model)
     model = load(path)
@@ -62,6 +71,58 @@ def main() -> None:
                     f.flush()
                     continue
                 result, err = run(request, limit + model.file_size + (1 << 30))
+                if result:
+                    row.update(n_prompt=result["n_prompt"], measured_mb=round(result["peak_unreclaimable_mb"], 1),
+                               ttft_s=round(result["ttft_s"], 2),
+                               predicted_over_measured=round(row["predicted_mb"] / result["peak_unreclaimable_mb"], 3))
+                row["error"] = err[:160]
+                print(row, file=sys.stderr, flush=True)
+                writer.writerow(row)
+                f.flush()
+
+
+def predicted_resident(model, setting) -> dict:
+    """The estimate of a run with every weight resident: its parts and their sum with the kernel's share (MiB)."""
+    from flexoffload.footprint import KERNEL_PER_BYTE
+
+    c = stepmem.run_costs(model, setting, 0)  # overhead: heap, sampling, runtime, the kernel's fixed part
+    need = model.weight_bytes + c["kv_cache"] + c["compute"] + c["overhead"]
+    need += int(need * KERNEL_PER_BYTE)
+    return {"kv_mb": round(c["kv_cache"] / MiB, 1), "compute_mb": round(c["compute"] / MiB, 1),
+            "predicted_mb": round(need / MiB, 1)}
+
+
+def resident(opts) -> None:
+    """--resident and --from-ttft: the estimate against runs with every weight in memory."""
+    path = models.resolve(opts.model)
+    model = load(path)
+    fields = ["n_prompt", "n_ubatch", "flash_attn", "cache_type", "n_ctx", "kv_mb", "compute_mb", "predicted_mb",
+              "measured_mb", "predicted_over_measured", "ttft_s", "source", "error"]
+    with open(opts.output, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields)
+        writer.writeheader()
+        if opts.from_ttft:
+            for r in csv.DictReader(open(opts.from_ttft)):
+                if r["config"] != "compute-bound" or not r["unreclaimable_mb"]:
+                    continue
+                n, cache, u = int(r["n_tokens"]), r["cache_type"], int(r["n_ubatch"])
+                setting = stepmem.Setting(stepmem.cells_for(n + 32 + 8), u, "on", cache, cache)  # as repro_hypergen
+                row = {"n_prompt": r["n_prompt"], "n_ubatch": u, "flash_attn": "on", "cache_type": cache,
+                       "n_ctx": setting.n_ctx, **predicted_resident(model, setting),
+                       "measured_mb": float(r["unreclaimable_mb"]), "ttft_s": r["ttft_s"], "source": opts.from_ttft}
+                row["predicted_over_measured"] = round(row["predicted_mb"] / row["measured_mb"], 3)
+                writer.writerow(row)
+            return
+        prompt = long_prompt(path, opts.prompt_tokens)
+        n_ctx = stepmem.cells_for(opts.prompt_tokens + 64)
+        for fa in ("on", "off"):
+            for u in (int(x) for x in opts.ubatches.split(",")):
+                setting = stepmem.Setting(n_ctx, u, fa)
+                request = api.Request(model=str(path), prompt=prompt, n_predict=4, n_ctx=n_ctx, n_batch=max(u, 512),
+                                      n_ubatch=u, flash_attn=fa, temp=0, strategy="stream")
+                row = {"n_ubatch": u, "flash_attn": fa, "cache_type": "f16", "n_ctx": n_ctx,
+                       **predicted_resident(model, setting), "source": "measured"}
+                result, err = run(request, 4 * model.file_size + (4 << 30))
                 if result:
                     row.update(n_prompt=result["n_prompt"], measured_mb=round(result["peak_unreclaimable_mb"], 1),
                                ttft_s=round(result["ttft_s"], 2),
