@@ -77,7 +77,7 @@ def test_after_prefill_fills_what_the_compute_buffers_give_back(model):
     sizes = {t.name: t.n_bytes for t in m.tensors}
     assert names and set(names) <= set(plan.streamed)
     assert sum(sizes[n] for n in names) <= wide.compute - narrow.compute
-    assert tok_s >= plan.predicted_tok_s
+    assert tok_s >= plan.predicted_tok_s * (1 - 1e-12)  # equal where the moved tensors were not the bottleneck
     # nothing to give back at the decode's own ubatch
     assert prefill.after_prefill(m, plan, stepmem.Setting(512, 1, "on"), profiler.measure(m, 2)) == \
         ((), plan.predicted_tok_s)
