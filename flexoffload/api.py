@@ -272,7 +272,8 @@ def _plan_model(r: Request):
     plan = plans.read(r.plan_dir)
     if not plan.precision:
         return None
-    if r.model is not None and catalog.resolve(r.model).resolve() != Path(plan.precision["source"]).resolve():
+    given = catalog.resolve(r.model).resolve() if r.model is not None else None
+    if given is not None and given not in (Path(plan.precision["source"]).resolve(), Path(plan.model).resolve()):
         raise FlexoffloadError(f"the plan in {r.plan_dir} was made for {Path(plan.precision['source']).name}, not "
                                f"{catalog.resolve(r.model).name}")
     if not Path(plan.model).is_file():

@@ -179,7 +179,7 @@ def test_plan_precision_auto_writes_a_file_that_runs_as_llama_cpp_runs_it(wide, 
     assert [x["kld"] for x in p["walk"]] == sorted(x["kld"] for x in p["walk"])
     # the plan runs its own file; greedy tokens equal llama.cpp's on that file
     ours = json.loads(cli("run", "--plan", str(out), "-p", "def add(a, b):", "-n", "16", "--temp", "0", "-t", "2",
-                          "--json", check=True).stdout)
+                          "--mem", "120M", "--enforce", "--json", check=True).stdout)  # a child in a cgroup too
     assert ours["text"] == llama_completion(p["model"], "def add(a, b):", 16)
     other = cli("run", "-m", str(tiny_model), "--plan", str(out), "-p", "x", "-n", "1")
     assert other.returncode != 0 and "made for wide.gguf" in other.stderr
