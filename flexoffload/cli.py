@@ -78,6 +78,18 @@ def _report(result: dict, as_json: bool) -> None:
     )
 
 
+def _precision_options(f):
+    """run's and plan's --precision auto and its bounds (mixed.py)."""
+    f = click.option("--min-tok-s", type=float, default=None,
+                     help="with --precision auto: instead, the least harm that reaches this predicted tok/s")(f)
+    f = click.option("--max-kld", type=float, default=None,
+                     help="with --precision auto: the fastest plan whose summed KL divergence is at most this "
+                          "[0.05]")(f)
+    return click.option("--precision", type=click.Choice(["auto"]), default=None,
+                        help="with --mem: lower some tensors' types where it costs the least quality per byte saved "
+                             "(profile --precision measures it) [default: the file's own types]")(f)
+
+
 @main.command()
 @click.option("-m", "--model", "model_spec", metavar="MODEL", help=f"GGUF path or catalog name [default: {catalog.DEFAULT_MODEL}]")
 @click.option("-p", "--prompt", help="prompt text")
@@ -129,13 +141,7 @@ def _report(result: dict, as_json: bool) -> None:
               help="with --rpc: the last layers to offload to the servers, each with its KV cache (llama.cpp's -ngl)")
 @click.option("--placement", type=click.Choice(PLACEMENTS), default="auto", show_default=True,
               help="with --rpc and --mem: how weights are placed across the devices")
-@click.option("--precision", type=click.Choice(["auto"]), default=None,
-              help="with --mem: lower some tensors' types where it costs the least quality per byte saved "
-                   "(profile --precision measures it) [default: the file's own types]")
-@click.option("--max-kld", type=float, default=None,
-              help="with --precision auto: the fastest plan whose summed KL divergence is at most this [0.05]")
-@click.option("--min-tok-s", type=float, default=None,
-              help="with --precision auto: instead, the least harm that reaches this predicted tok/s")
+@_precision_options
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object instead of text and timings")
 @click.option("-v", "--verbose", is_flag=True, help="show llama.cpp's log")
 @_errors_as_one_line
@@ -323,13 +329,7 @@ def _profile_precision(model, threads, n_groups, ladder, remeasure, as_json) -> 
               help="with --max-prompt or --prompt-len: the KV cache's K type")
 @click.option("-ctv", "--cache-type-v", "cache_type_v", type=click.Choice(KV_TYPES), default="f16", show_default=True,
               help="with --max-prompt or --prompt-len: the KV cache's V type")
-@click.option("--precision", type=click.Choice(["auto"]), default=None,
-              help="with --mem: lower some tensors' types where it costs the least quality per byte saved "
-                   "(profile --precision measures it) [default: the file's own types]")
-@click.option("--max-kld", type=float, default=None,
-              help="with --precision auto: the fastest plan whose summed KL divergence is at most this [0.05]")
-@click.option("--min-tok-s", type=float, default=None,
-              help="with --precision auto: instead, the least harm that reaches this predicted tok/s")
+@_precision_options
 @click.option("--json", "as_json", is_flag=True)
 @_errors_as_one_line
 def plan(model_spec, mem, policy, rpc, placement, ctx_size, batch_size, threads, window, io_threads, out_dir, tune_best,

@@ -71,14 +71,19 @@ def main() -> None:
                     f.flush()
                     continue
                 result, err = run(request, limit + model.file_size + (1 << 30))
-                if result:
-                    row.update(n_prompt=result["n_prompt"], measured_mb=round(result["peak_unreclaimable_mb"], 1),
-                               ttft_s=round(result["ttft_s"], 2),
-                               predicted_over_measured=round(row["predicted_mb"] / result["peak_unreclaimable_mb"], 3))
-                row["error"] = err[:160]
-                print(row, file=sys.stderr, flush=True)
-                writer.writerow(row)
-                f.flush()
+                write_measured(row, result, err, writer, f)
+
+
+def write_measured(row: dict, result: dict | None, err: str, writer, f) -> None:
+    """A row with what its run measured (the peak against the prediction), or its error; written at once."""
+    if result:
+        row.update(n_prompt=result["n_prompt"], measured_mb=round(result["peak_unreclaimable_mb"], 1),
+                   ttft_s=round(result["ttft_s"], 2),
+                   predicted_over_measured=round(row["predicted_mb"] / result["peak_unreclaimable_mb"], 3))
+    row["error"] = err[:160]
+    print(row, file=sys.stderr, flush=True)
+    writer.writerow(row)
+    f.flush()
 
 
 def predicted_resident(model, setting) -> dict:
@@ -123,14 +128,7 @@ def resident(opts) -> None:
                 row = {"n_ubatch": u, "flash_attn": fa, "cache_type": "f16", "n_ctx": n_ctx,
                        **predicted_resident(model, setting), "source": "measured"}
                 result, err = run(request, 4 * model.file_size + (4 << 30))
-                if result:
-                    row.update(n_prompt=result["n_prompt"], measured_mb=round(result["peak_unreclaimable_mb"], 1),
-                               ttft_s=round(result["ttft_s"], 2),
-                               predicted_over_measured=round(row["predicted_mb"] / result["peak_unreclaimable_mb"], 3))
-                row["error"] = err[:160]
-                print(row, file=sys.stderr, flush=True)
-                writer.writerow(row)
-                f.flush()
+                write_measured(row, result, err, writer, f)
 
 
 def measured(row: dict, request, limit: int, writer, f) -> None:
