@@ -40,6 +40,14 @@ def file_key(path: Path) -> str:
     return f"{path.name}-{st.st_size}-{int(st.st_mtime)}"
 
 
+def content_key(*parts: str) -> str:
+    """A short name for a cached result made from these inputs (texts, settings, types): the same inputs, the same
+    name."""
+    import hashlib
+
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+
+
 def cache_dir() -> Path:
     """Where models, the native build, profiles and footprints are kept: $FLEXOFFLOAD_CACHE or
     ~/.cache/flexoffload."""

@@ -17,7 +17,6 @@ column matters; the lowest types (IQ2_XXS, IQ2_XS, IQ1_*) refuse to quantize wit
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import json
 import os
 import re
@@ -27,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import FlexoffloadError, native
-from .defaults import cache_dir, file_key
+from .defaults import cache_dir, content_key, file_key
 from .model import Model, Tensor
 
 # The lower types a plan may choose, highest precision first. K-quants and IQ types need rows of 256 weights;
@@ -161,7 +160,8 @@ def mixed_bytes(model: Model, types: dict[str, str]) -> int:
 
 def _tool_failure(name: str, r: subprocess.CompletedProcess) -> FlexoffloadError:
     lines = [x for x in (r.stderr + r.stdout).splitlines() if x.strip()]
-    why = next((x for x in reversed(lines) if "error" in x.lower() or "failed" in x.lower()), lines[-1] if lines else "")
+    errors = [x for x in lines if "error" in x.lower() or "failed" in x.lower()]
+    why = (errors or lines or [""])[-1]
     return FlexoffloadError(f"{name} failed (exit {r.returncode}): {why.strip()[:200]}")
 
 
@@ -178,14 +178,11 @@ def run_tool(name: str, args: list[str], timeout: float, n_threads: int | None =
     return r
 
 
-def _key(*parts: str) -> str:
-    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
-
-
 def imatrix(model: Model, text: str, n_ctx: int = 512, n_chunks: int = 0, n_threads: int | None = None,
             timeout: float = 3600) -> Path:
     """The importance matrix of the model on a calibration text (llama-imatrix), cached by file and text."""
-    out = cache_dir() / "precision" / f"{file_key(model.path)}-imatrix-{_key(text, str(n_ctx), str(n_chunks))}.gguf"
+    key = content_key(text, str(n_ctx), str(n_chunks))
+    out = cache_dir() / "precision" / f"{file_key(model.path)}-imatrix-{key}.gguf"
     if out.is_file():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -208,7 +205,8 @@ def mixed_path(model: Model, types: dict[str, str], imatrix_path: Path | None, s
     plan = json.dumps(sorted(types.items()))
     src = file_key(source) if source else ""
     im = file_key(imatrix_path) if imatrix_path else ""
-    return cache_dir() / "mixed" / f"{model.path.stem}-{_key(file_key(model.path), src, im, plan, native_key())}.gguf"
+    key = content_key(file_key(model.path), src, im, plan, native_key())
+    return cache_dir() / "mixed" / f"{model.path.stem}-{key}.gguf"
 
 
 def native_key() -> str:

@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from . import FlexoffloadError, humaneval, precision
-from .defaults import cache_dir, file_key
+from .defaults import cache_dir, content_key, file_key
 from .model import Model
 
 N_GROUPS = 4  # layer groups per kind: 7 layers each on the 1.5B's 28
@@ -111,7 +111,7 @@ def calibration_prompts(count: int = UQ_PROMPTS) -> list[str]:
 def kld_base(model: Model, text: str, n_ctx: int = KLD_CTX, n_chunks: int = KLD_CHUNKS,
              n_threads: int | None = None) -> Path:
     """The file's own log-probabilities over the text (llama-perplexity --kl-divergence-base), cached."""
-    key = precision._key(text, str(n_ctx), str(n_chunks))
+    key = content_key(text, str(n_ctx), str(n_chunks))
     out = cache_dir() / "precision" / f"{file_key(model.path)}-logits-{key}.bin"
     if out.is_file():
         return out
@@ -232,12 +232,13 @@ class Sensitivity:
 
 
 def cache_path(model: Model, n_groups: int, ladder: tuple[str, ...]) -> Path:
-    key = precision._key(str(n_groups), ",".join(ladder), str(KLD_CTX), str(KLD_CHUNKS), str(UQ_PROMPTS),
+    key = content_key(str(n_groups), ",".join(ladder), str(KLD_CTX), str(KLD_CHUNKS), str(UQ_PROMPTS),
                          str(UQ_TOKENS), precision.native_key())
     return cache_dir() / "precision" / f"{file_key(model.path)}-sensitivity-{key}.json"
 
 
-def load_cached(model: Model, n_groups: int = N_GROUPS, ladder: tuple[str, ...] = precision.LADDER) -> Sensitivity | None:
+def load_cached(model: Model, n_groups: int = N_GROUPS,
+                ladder: tuple[str, ...] = precision.LADDER) -> Sensitivity | None:
     p = cache_path(model, n_groups, ladder)
     if not p.is_file():
         return None
