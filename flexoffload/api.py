@@ -70,6 +70,7 @@ class Request:
     precision: str | None = None  # "auto": lower some tensors' types under --mem (mixed.py), by the bound below
     max_kld: float | None = None  # with precision: the fastest plan within this KL divergence (default mixed.py's)
     min_tok_s: float | None = None  # with precision: the least harm reaching this predicted tok/s
+    original: str | None = None  # with precision: the model's F16/BF16 weights, quantized from (not requantizing)
     tuned: bool = True  # stream by a plan --tune made for this model, budget and machine, where there is one
     verbose: bool = False
 
@@ -128,8 +129,8 @@ def _check(r: Request) -> None:
     if r.precision and (not r.mem or r.plan_dir or r.rpc or r.strategy != "stream"):
         raise FlexoffloadError("--precision auto plans precision with residency under --mem: not with --plan, --rpc "
                                "or another --strategy, for now")
-    if (r.max_kld is not None or r.min_tok_s is not None) and not r.precision:
-        raise FlexoffloadError("--max-kld and --min-tok-s bound --precision auto")
+    if (r.max_kld is not None or r.min_tok_s is not None or r.original) and not r.precision:
+        raise FlexoffloadError("--max-kld, --min-tok-s and --original go with --precision auto")
 
 
 def _kv_quantized(r: Request) -> bool:
@@ -296,7 +297,8 @@ def _precision_plan(r: Request, model, limit: int):
         run = {"n_outputs": _tree_outputs(r), "n_seq_max": spectree.MAX_BRANCHES + 1,
                "draft": _draft_bytes(draft_model, r)}
     plan, _ = mixed.plan(model, limit, profiler.measure(model, r.n_threads), r.n_ctx, r.n_batch, r.max_kld,
-                         r.min_tok_s, r.n_threads, r.io_threads, measure_quality=False, **run)
+                         r.min_tok_s, r.n_threads, r.io_threads, measure_quality=False,
+                         original=Path(r.original) if r.original else None, **run)
     directory = cache_dir() / "plans" / Path(plan.model).stem / f"{limit}-{r.n_ctx}-{r.n_batch}-{bool(r.draft)}"
     plans.write(plan, directory)
     return replace(r, model=plan.model, plan_dir=str(directory)), load(plan.model)

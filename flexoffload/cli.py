@@ -79,7 +79,10 @@ def _report(result: dict, as_json: bool) -> None:
 
 
 def _precision_options(f):
-    """run's and plan's --precision auto and its bounds (mixed.py)."""
+    """run's and plan's --precision auto, its bounds and the original weights (mixed.py)."""
+    f = click.option("--original", type=click.Path(exists=True, dir_okay=False), default=None, metavar="GGUF",
+                     help="with --precision auto: the model's original F16/BF16 weights, quantized from instead of "
+                          "requantizing the file (a second rounding loses more)")(f)
     f = click.option("--min-tok-s", type=float, default=None,
                      help="with --precision auto: instead, the least harm that reaches this predicted tok/s")(f)
     f = click.option("--max-kld", type=float, default=None,
@@ -149,7 +152,7 @@ def run(model_spec, prompt, prompt_file, n_predict, ctx_size, batch_size, n_ubat
         cache_type_v, threads, temp, seed,
         mem, enforce, strategy, policy, plan_dir, window, io_threads, draft_spec, draft_max, draft_p_split, spec_mode,
         no_pacer, no_adaptive, no_adaptive_split, pipeline, draft_always, tuned, rpc, n_gpu_layers, placement,
-        precision, max_kld, min_tok_s, as_json, verbose):
+        precision, max_kld, min_tok_s, original, as_json, verbose):
     """Generate text from a prompt (with -md: speculation by a resident draft model)."""
     from . import api
 
@@ -157,7 +160,7 @@ def run(model_spec, prompt, prompt_file, n_predict, ctx_size, batch_size, n_ubat
                                  seed, mem, strategy, policy, plan_dir, window, io_threads, draft_spec, draft_max,
                                  draft_p_split, spec_mode, no_pacer, no_adaptive, no_adaptive_split, pipeline,
                                  draft_always, tuned, verbose, rpc, n_gpu_layers, placement, n_ubatch, flash_attn,
-                                 cache_type_k, cache_type_v, precision, max_kld, min_tok_s)
+                                 cache_type_k, cache_type_v, precision, max_kld, min_tok_s, original)
     on_text = None if as_json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
     result = api.generate(request, on_text, enforce=enforce, echo=lambda msg: click.echo(msg, err=True))
     _report(result, as_json)
@@ -167,7 +170,8 @@ def request_from_flags(model_spec, prompt, prompt_file, n_predict, ctx_size, bat
                        strategy, policy, plan_dir, window, io_threads, draft_spec, draft_max, draft_p_split,
                        spec_mode, no_pacer, no_adaptive, no_adaptive_split, pipeline, draft_always, tuned, verbose,
                        rpc=None, n_gpu_layers=0, placement="auto", n_ubatch=0, flash_attn="auto",
-                       cache_type_k="f16", cache_type_v="f16", precision=None, max_kld=None, min_tok_s=None):
+                       cache_type_k="f16", cache_type_v="f16", precision=None, max_kld=None, min_tok_s=None,
+                       original=None):
     """api.Request from `run`'s flags (the prompt read from -f as llama.cpp reads it)."""
     from . import api
 
@@ -179,7 +183,7 @@ def request_from_flags(model_spec, prompt, prompt_file, n_predict, ctx_size, bat
         adaptive_split=not no_adaptive_split, pipeline=pipeline, draft_always=draft_always, tuned=tuned,
         verbose=verbose, rpc=rpc, n_gpu_layers=n_gpu_layers, placement=placement, n_ubatch=n_ubatch,
         flash_attn=flash_attn, cache_type_k=cache_type_k, cache_type_v=cache_type_v, precision=precision,
-        max_kld=max_kld, min_tok_s=min_tok_s)
+        max_kld=max_kld, min_tok_s=min_tok_s, original=original)
 
 
 def request_from_args(args: list[str]):
@@ -334,7 +338,7 @@ def _profile_precision(model, threads, n_groups, ladder, remeasure, as_json) -> 
 @_errors_as_one_line
 def plan(model_spec, mem, policy, rpc, placement, ctx_size, batch_size, threads, window, io_threads, out_dir, tune_best,
          tune_rounds, max_prompt, prompt_len, n_predict, flash_attn, cache_type_k, cache_type_v, precision, max_kld,
-         min_tok_s, as_json):
+         min_tok_s, original, as_json):
     """Choose which tensors stay resident under a budget; write tensors.ot and plan.json."""
     from . import plan as plans
     from . import profile as profiler
@@ -347,15 +351,15 @@ def plan(model_spec, mem, policy, rpc, placement, ctx_size, batch_size, threads,
         return
     if out_dir is None:
         raise FlexoffloadError("plan writes its files to -o DIR")
-    if (max_kld is not None or min_tok_s is not None) and not precision:
-        raise FlexoffloadError("--max-kld and --min-tok-s bound --precision auto")
+    if (max_kld is not None or min_tok_s is not None or original) and not precision:
+        raise FlexoffloadError("--max-kld, --min-tok-s and --original go with --precision auto")
     profile = profiler.measure(model, threads)
     if precision:
         if rpc or tune_best is not None or policy != "balanced" or window is not None:
             raise FlexoffloadError("--precision auto plans with the balanced policy: not with --rpc, --tune, "
                                    "--policy or --window, for now")
         _plan_precision(model, budgets.parse_size(mem, model.file_size), profile, ctx_size, batch_size, threads,
-                        io_threads, max_kld, min_tok_s, out_dir, as_json)
+                        io_threads, max_kld, min_tok_s, original, out_dir, as_json)
         return
     if rpc:
         _plan_placement(model, rpc, mem, placement, profile, threads, ctx_size, batch_size, io_threads, out_dir,
@@ -390,8 +394,8 @@ def plan(model_spec, mem, policy, rpc, placement, ctx_size, batch_size, threads,
         click.echo("  tuned: the candidates, measured under the budget\n" + tune.describe(p))
 
 
-def _plan_precision(model, budget, profile, ctx_size, batch_size, threads, io_threads, max_kld, min_tok_s, out_dir,
-                    as_json):
+def _plan_precision(model, budget, profile, ctx_size, batch_size, threads, io_threads, max_kld, min_tok_s, original,
+                    out_dir, as_json):
     """plan --precision auto: precision and residency together (mixed.py), the requantized file's quality measured."""
     from tqdm import tqdm
 
@@ -405,7 +409,7 @@ def _plan_precision(model, budget, profile, ctx_size, batch_size, threads, io_th
         bar.set_postfix_str(f"{row.group} {row.type}")
 
     p, walk = mixed.plan(model, budget, profile, ctx_size, batch_size, max_kld, min_tok_s, threads, io_threads,
-                         on_row=on_row)
+                         original=Path(original) if original else None, on_row=on_row)
     bar.close()
     plans.write(p, out_dir)
     if as_json:
@@ -415,7 +419,8 @@ def _plan_precision(model, budget, profile, ctx_size, batch_size, threads, io_th
         return
     r = p.precision
     click.echo(f"{model.path.name}: {len(r['types'])} tensors lowered ({len(r['steps'])} steps), weights "
-               f"{format_size(r['source_weight_bytes'])} -> {format_size(r['weight_bytes'])}, written to {p.model}")
+               f"{format_size(r['source_weight_bytes'])} -> {format_size(r['weight_bytes'])}, written to {p.model}"
+               + (f" (quantized from {Path(original).name})" if original else ""))
     click.echo(f"  predicted {p.predicted_tok_s:.2f} tok/s at {format_size(budget)} (the file's own types: "
                f"{r['own_types_tok_s']:.2f}); KL divergence summed over the groups {r['predicted_kld']:.4f}")
     if "measured" in r:

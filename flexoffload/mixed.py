@@ -17,6 +17,7 @@ one of them is taken where it is predicted faster within the bound.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 from . import FlexoffloadError, precision
 from .model import Model
@@ -165,9 +166,10 @@ def choose(walk_: Walk, max_kld: float | None, min_tok_s: float | None) -> Point
 
 def plan(model: Model, budget: int, profile, n_ctx: int, n_batch: int, max_kld: float | None = None,
          min_tok_s: float | None = None, n_threads: int | None = None, io_threads: int | None = None,
-         measure_quality: bool = True, on_row=None, **run):
+         measure_quality: bool = True, original: Path | None = None, on_row=None, **run):
     """plan --precision auto: the walk, the chosen point's file written (requantized with the calibration text's
-    importance matrix), its residency planned on the file itself with its own profile, its quality measured.
+    importance matrix, or quantized from the original weights where given), its residency planned on the file
+    itself with its own profile, its quality measured (against the file: the bound is in its terms).
     Returns (the residency Plan of the mixed file, with a `precision` record; the walk). run: as search's."""
     from . import profile as profiler
     from . import sensitivity
@@ -176,24 +178,30 @@ def plan(model: Model, budget: int, profile, n_ctx: int, n_batch: int, max_kld: 
     from .model import load
     from .planners import plan_budget
 
+    if original is not None:
+        precision.check_original(model, original)  # before the profile's hour is spent
     sens = sensitivity.measure(model, n_threads=n_threads, on_row=on_row)
     walk_ = search(model, budget, sens, profile, n_ctx, n_batch, io_threads, **run)
     point = choose(walk_, max_kld, min_tok_s)
     matrix = precision.imatrix(model, sensitivity.calibration_text(), n_threads=n_threads)
-    path = precision.requantize(model, point.types, matrix, n_threads=n_threads) if point.types else model.path
+    if original is not None or point.types:
+        path = precision.requantize(model, point.types, matrix, original, n_threads)
+    else:
+        path = model.path
     mixed = load(path)
     # the mixed file computes at its own speed (a Q2_K byte is not a Q4_K byte); the disk is the source's measure,
     # so the two predictions differ by the types alone
     own = Profile.calibrated(mixed, profiler.compute_speed(path, n_threads or 1), profile.disk_bw, profile.io_latency)
     residency = plan_budget(mixed, budget, "balanced", own, n_ctx, n_batch, io_threads=io_threads or IO_THREADS,
                             **run)
-    record = {"source": str(model.path), "types": point.types, "steps": [list(s) for s in point.steps],
-              "weight_bytes": point.weight_bytes, "source_weight_bytes": model.weight_bytes,
+    record = {"source": str(model.path), "original": str(original) if original else None, "types": point.types,
+              "steps": [list(s) for s in point.steps], "weight_bytes": point.weight_bytes,
+              "source_weight_bytes": model.weight_bytes,
               "predicted_kld": point.kld, "predicted_uqest_delta": point.uqest_delta,
               "walk_tok_s": point.predicted_tok_s, "own_types_tok_s": walk_.points[0].predicted_tok_s,
               "alternatives": [{"type": p.steps[0][1], "predicted_kld": p.kld, "weight_bytes": p.weight_bytes,
                                 "predicted_tok_s": p.predicted_tok_s} for p in walk_.alternatives],
               "bound": {"max_kld": max_kld if min_tok_s is None else None, "min_tok_s": min_tok_s}}
-    if measure_quality and point.types:
+    if measure_quality and (point.types or original is not None):
         record["measured"] = sensitivity.quality(model, path, n_threads)
     return replace(residency, precision=record), walk_

@@ -15,6 +15,12 @@ from .defaults import cache_dir
 
 REPO = Path(__file__).resolve().parent.parent
 
+# One attention for a token whether it is decoded alone or beside others, as speculation's verification decodes
+# it: upstream splits a lone token's KV across the threads from 512 cells and rounds differently (patch 0016).
+# Set before any context computes, for this process and every llama.cpp tool or server it starts (a user's own
+# GGML_CPU_SPLIT_KV=1 is kept: upstream's attention, and speculation then only nearly lossless).
+os.environ.setdefault("GGML_CPU_SPLIT_KV", "0")
+
 
 def build_dir() -> Path:
     """The folder holding libllama.so and the tools (llama-completion, llama-bench, ...)."""

@@ -7,8 +7,9 @@ it) and writes the mixed file with the native `llama-quantize` (`requantize`), c
 
 Requantizing an already quantized file loses more than quantizing from the original weights: the first rounding's
 error stays and a second one is added on top. The models here ship quantized (Q4_K_M, the original F16 weights are
-not reachable), so they are requantized; where the original F16/BF16 file is at hand, pass it as `source` and the
-plan's types are quantized from it instead, with the same tensor names.
+not reachable), so they are requantized; where the original F16/BF16 file is at hand, pass it as `original`
+(`plan --precision auto --original FILE`) and every tensor is quantized from it instead: the plan's tensors to their
+types, the rest to the file's own.
 
 An importance matrix (`llama-imatrix` on a calibration text, `imatrix`) weighs the rounding by how much each input
 column matters; the lowest types (IQ2_XXS, IQ2_XS, IQ1_*) refuse to quantize without one.
@@ -200,10 +201,10 @@ def imatrix(model: Model, text: str, n_ctx: int = 512, n_chunks: int = 0, n_thre
     return out
 
 
-def mixed_path(model: Model, types: dict[str, str], imatrix_path: Path | None, source: Path | None = None) -> Path:
+def mixed_path(model: Model, types: dict[str, str], imatrix_path: Path | None, original: Path | None = None) -> Path:
     """Where the requantized file of a plan's types lives in the cache: named by its inputs."""
     plan = json.dumps(sorted(types.items()))
-    src = file_key(source) if source else ""
+    src = file_key(original) if original else ""
     im = file_key(imatrix_path) if imatrix_path else ""
     key = content_key(file_key(model.path), src, im, plan, native_key())
     return cache_dir() / "mixed" / f"{model.path.stem}-{key}.gguf"
@@ -219,15 +220,41 @@ def _pattern(name: str) -> str:
     return "^" + re.escape(name) + "$"
 
 
-def requantize(model: Model, types: dict[str, str], imatrix_path: Path | None = None, source: Path | None = None,
+UNQUANTIZED = ("F32", "F16", "BF16")
+
+
+def check_original(model: Model, original: Path) -> Path:
+    """The original (unquantized) weights of the model: every weight matrix of the file, by name and shape, at
+    F32/F16/BF16. Otherwise a one-line error naming the first tensor that differs."""
+    from .model import load
+
+    by_name = {t.name: t for t in load(original).tensors}
+    for t in model.tensors:
+        if not quantizable(t):
+            continue
+        o = by_name.get(t.name)
+        if o is None:
+            raise FlexoffloadError(f"{original.name} is not the original of {model.path.name}: it has no {t.name}")
+        if o.shape != t.shape:
+            raise FlexoffloadError(f"{original.name} is not the original of {model.path.name}: {t.name} is "
+                                   f"{'x'.join(map(str, o.shape))}, not {'x'.join(map(str, t.shape))}")
+        if o.type not in UNQUANTIZED:
+            raise FlexoffloadError(f"{original.name} is quantized ({t.name} is {o.type}): the original weights are "
+                                   f"{', '.join(UNQUANTIZED)}")
+    return original
+
+
+def requantize(model: Model, types: dict[str, str], imatrix_path: Path | None = None, original: Path | None = None,
                n_threads: int | None = None, timeout: float = QUANTIZE_TIMEOUT_S) -> Path:
     """The GGUF with the plan's types (every other tensor at the file's own type, copied byte for byte), written by
     llama-quantize into the cache under a name of its inputs; an existing one is reused. Written to a temporary
     file first, so a failure never leaves a damaged model behind.
 
-    source: the original (F16/BF16) file of the same model, to quantize from instead of requantizing."""
+    original: the original (F16/BF16) file of the same model, to quantize from instead of requantizing."""
     types = validate(model, types, imatrix_path)
-    out = mixed_path(model, types, imatrix_path, source)
+    if original is not None:
+        check_original(model, original)
+    out = mixed_path(model, types, imatrix_path, original)
     if out.is_file():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -239,7 +266,7 @@ def requantize(model: Model, types: dict[str, str], imatrix_path: Path | None = 
         args = ["--allow-requantize", "--tensor-type-file", str(type_file)]
         if imatrix_path:
             args += ["--imatrix", str(imatrix_path)]
-        args += [str(source or model.path), str(partial), "Q4_K_M", str(n_threads or os.cpu_count() or 1)]
+        args += [str(original or model.path), str(partial), "Q4_K_M", str(n_threads or os.cpu_count() or 1)]
         run_tool("llama-quantize", args, timeout)
         os.replace(partial, out)
     return out

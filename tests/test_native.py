@@ -20,3 +20,45 @@ def test_prompt_processing_with_repacking_does_not_crash(real_model):
                 if "model buffer size" in line and ("AMX" in line or "REPACK" in line)]
     assert repacked and not any(" 0.00 MiB" in line for line in repacked[-1:]), "weights were not repacked"
     assert "prompt eval time" in r.stderr
+
+
+# a token's logits decoded alone, and decoded beside the token before it, after a history of HISTORY tokens
+LOGITS_ALONE_AND_IN_A_PAIR = """
+import sys
+import numpy as np
+from flexoffload import engine
+s = engine.Settings(n_ctx=1024, n_batch=1024, temp=0.0, n_threads=2, strategy="mmap")
+with engine.Engine(sys.argv[1], s) as e:
+    history = [10 + i % 300 for i in range({history})]
+    out = []
+    for passes in ([[7], [8]], [[7, 8]]):
+        e.lib.llama_memory_clear(e.lib.llama_get_memory(e.ctx), True)
+        for tokens in [history] + passes:
+            e._decode(tokens)
+        out.append(e.last_logits())
+print(float(np.abs(out[0] - out[1]).max()))
+"""
+
+
+@pytest.mark.parametrize("history", [200, 600])
+def test_a_token_s_logits_do_not_depend_on_the_tokens_sharing_its_pass(tmp_path, history):
+    """Speculation verifies many tokens in one pass and must give a one-token-at-a-time run's output bit for bit.
+    From 512 KV cells upstream splits a lone token's attention across the threads, which rounds differently
+    (patch 0016): flexoffload turns that off; with it on (GGML_CPU_SPLIT_KV=1) the same check sees the difference."""
+    from flexoffload import synth
+
+    model = synth.write(tmp_path / "m.gguf", synth.Shape(n_layer=2, n_embd=256, n_ff=512, n_head=4, n_head_kv=2,
+                                                         n_vocab=384, n_ctx_train=1024))
+
+    def max_difference(split: str) -> float:
+        import os
+        import sys
+
+        r = subprocess.run([sys.executable, "-c", LOGITS_ALONE_AND_IN_A_PAIR.format(history=history), str(model)],
+                           capture_output=True, text=True, timeout=300, env={**os.environ, "GGML_CPU_SPLIT_KV": split})
+        assert r.returncode == 0, r.stderr[-2000:]
+        return float(r.stdout.split()[-1])
+
+    assert max_difference("0") == 0.0
+    if history + 2 > 256:  # the KV view (padded to 256 cells) is 512 or more: upstream's split rounds otherwise
+        assert max_difference("1") > 0.0

@@ -1,5 +1,6 @@
 """Mixed precision (issue 17): lower types a tensor can take, the requantized file, measured harm, the planner."""
 
+import dataclasses
 import json
 import math
 
@@ -32,6 +33,15 @@ def cache(tmp_path, monkeypatch):
 @pytest.fixture(scope="module")
 def wide(tmp_path_factory):
     return load(synth.write(tmp_path_factory.mktemp("models") / "wide.gguf", SHAPE))
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """Original F32 weights and the Q4_0 file llama-quantize makes of them, as the models here are made."""
+    d = tmp_path_factory.mktemp("pair")
+    original = synth.write(d / "original.gguf", SHAPE, qtype="F32", seed=3)
+    precision.run_tool("llama-quantize", [str(original), str(d / "file.gguf"), "Q4_0", "2"], timeout=300)
+    return load(original), load(d / "file.gguf")
 
 
 def header(name):
@@ -100,12 +110,46 @@ def test_requantize_changes_the_plan_s_tensors_only(wide, cache):
     assert precision.requantize(wide, {"blk.0.ffn_down.weight": "Q2_K"}) != path
 
 
-def test_a_failed_requantization_leaves_no_file(wide, cache, tmp_path):
-    bad = tmp_path / "not-a-model.gguf"
-    bad.write_bytes(b"GGUF" + b"\0" * 64)
-    with pytest.raises(FlexoffloadError, match="llama-quantize failed"):
-        precision.requantize(wide, {"blk.0.ffn_down.weight": "Q3_K"}, source=bad)
+def test_a_failed_requantization_leaves_no_file(pair, cache, tmp_path):
+    original, file = pair
+    cut = tmp_path / "cut.gguf"  # a whole header, the weights cut short
+    cut.write_bytes(original.path.read_bytes()[:original.file_size // 2])
+    with pytest.raises(FlexoffloadError, match="GGUF file is truncated"):
+        precision.requantize(file, {"blk.0.ffn_down.weight": "Q3_K"}, original=cut)
+    with pytest.raises(FlexoffloadError, match="llama-quantize did not end in"):  # stopped while it writes
+        precision.requantize(file, {"blk.0.ffn_down.weight": "Q3_K"}, original=original.path, timeout=0.05)
     assert not list((cache / "mixed").iterdir())
+
+
+def test_quantizing_from_the_original_loses_less_than_requantizing(pair, cache):
+    original, file = pair
+    types = {t.name: "Q3_K" for t in file.tensors if precision.quantizable(t) and t.layer is not None}
+    twice, once = precision.requantize(file, types), precision.requantize(file, types, original=original.path)
+    assert {t.name: t.type for t in load(once).tensors} == {t.name: t.type for t in load(twice).tensors}
+    a, b = tensor(file, "token_embd.weight"), tensor(load(once), "token_embd.weight")  # not lowered: Q4_0 again
+    with open(file.path, "rb") as f, open(once, "rb") as g:
+        f.seek(a.offset)
+        g.seek(b.offset)
+        assert f.read(a.n_bytes) == g.read(b.n_bytes)
+    text = sensitivity.calibration_text()
+    base = sensitivity.kld_base(original, text, n_ctx=256, n_chunks=2)
+    harm = {path: sensitivity.kld(path, base, text, n_ctx=256, n_chunks=2)["kld"] for path in (once, twice)}
+    assert 0 < harm[once] < harm[twice]
+
+
+def test_the_original_must_be_the_file_s_weights_unquantized(pair, wide, cache, tmp_path):
+    original, file = pair
+    other = synth.write(tmp_path / "other.gguf", dataclasses.replace(SHAPE, n_ff=768), qtype="F32")
+    differs = r"other.gguf is not the original of file.gguf: blk.0.ffn_\w+.weight is (768x256|256x768), not"
+    for path, message in ((wide.path, r"wide.gguf is quantized \(\S+ is Q4_0\)"), (other, differs)):
+        with pytest.raises(FlexoffloadError, match=message):
+            precision.check_original(file, path)
+    r = cli("plan", "-m", str(file.path), "--mem", "120M", "--max-kld", "0.1", "--original", str(original.path),
+            "-o", "x")
+    assert r.returncode != 0 and "go with --precision auto" in r.stderr
+    r = cli("plan", "-m", str(file.path), "--mem", "120M", "--precision", "auto", "--original", str(wide.path),
+            "-o", "x")  # refused before the profile is measured
+    assert r.returncode != 0 and "wide.gguf is quantized" in r.stderr and len(r.stderr.strip().splitlines()) == 1
 
 
 def test_kl_divergence_is_zero_against_itself_and_grows_with_fewer_bits(wide, cache):
@@ -189,7 +233,7 @@ def test_precision_errors_are_one_line(wide, cache):
     for args, message in (
             (["plan", "--mem", "120M", "--precision", "auto", "--min-tok-s", "1e9", "-o", "x"],
              "the fastest is"),
-            (["plan", "--mem", "120M", "--max-kld", "0.1", "-o", "x"], "bound --precision auto"),
+            (["plan", "--mem", "120M", "--max-kld", "0.1", "-o", "x"], "go with --precision auto"),
             (["profile", "--precision", "--types", "Q4_K,Q9_K"], "Q9_K is not a ggml type"),
             (["profile", "--precision", "--types", "Q4_K,Q8_K"], "Q8_K has no dot product in the CPU backend"),
             (["profile", "--precision", "--groups", "0"], "--groups must be between 1"),
