@@ -116,8 +116,10 @@ def test_a_failed_requantization_leaves_no_file(pair, cache, tmp_path):
     cut.write_bytes(original.path.read_bytes()[:original.file_size // 2])
     with pytest.raises(FlexoffloadError, match="GGUF file is truncated"):
         precision.requantize(file, {"blk.0.ffn_down.weight": "Q3_K"}, original=cut)
-    with pytest.raises(FlexoffloadError, match="llama-quantize did not end in"):  # stopped while it writes
-        precision.requantize(file, {"blk.0.ffn_down.weight": "Q3_K"}, original=original.path, timeout=0.05)
+    matrix = tmp_path / "bad.imatrix.gguf"  # llama-quantize starts, then fails reading it
+    matrix.write_bytes(b"GGUF" + b"\0" * 64)
+    with pytest.raises(FlexoffloadError, match="llama-quantize failed"):
+        precision.requantize(file, {"blk.0.ffn_down.weight": "Q3_K"}, matrix, original.path)
     assert not list((cache / "mixed").iterdir())
 
 
