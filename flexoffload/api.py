@@ -435,9 +435,8 @@ def run_prepared(p: Prepared, on_text=None) -> dict:
     timings = result.get("timings", {})
     from . import profile
 
-    if "stream_read_gb_s" in timings and timings["stream_bytes_read"] >= profile.SUSTAINED_BYTES and \
-            timings["stream_direct"] == timings["stream_reads"]:
-        profile.record_disk_bw(r.model, timings["stream_read_gb_s"] * 1e9, "run")
+    if "stream_read_gb_s" in timings:
+        profile.record_run(r.model, timings, alone=not r.draft)
     result.update(peak_mem_mb=budgets.peak_rss() / MiB, peak_source="rss", enforced=False,
                   budget_mb=p.limit / MiB if p.limit else None,
                   model={"path": r.model, "size": model.file_size, "name": model.name})

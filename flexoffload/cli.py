@@ -263,8 +263,11 @@ def profile(model_spec, threads, remeasure, ops, batch_size, rpc, precision, n_g
     if as_json:
         click.echo(json.dumps({**p.to_dict(), "compute_tok_s": tok_s}))
         return
-    click.echo(f"{model.path.name}: disk {p.disk_bw / 1e9:.2f} GB/s with O_DIRECT, {p.io_latency * 1e6:.0f} us "
-               f"a small read; decode {tok_s:.2f} tok/s with every weight in memory ({threads} threads)")
+    runs = len(profiler.seen_disk_bw(model.path))
+    typical = f" (the median of the profile's and {runs} streamed runs')" if runs else ""
+    click.echo(f"{model.path.name}: disk {p.disk_bw / 1e9:.2f} GB/s with O_DIRECT{typical}, "
+               f"{p.io_latency * 1e6:.0f} us a small read; decode {tok_s:.2f} tok/s with every weight in memory "
+               f"({threads} threads)")
 
 
 def _profile_precision(model, threads, n_groups, ladder, remeasure, as_json) -> None:

@@ -17,7 +17,7 @@ import mmap
 import os
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from . import FlexoffloadError
@@ -178,8 +178,65 @@ def record_disk_bw(path, bytes_per_s: float, source: str) -> None:
     tmp.replace(best)
 
 
+# The disk as streamed runs have met it: this disk drifts between about 0.8 and 2.2 GB/s over minutes, so one
+# profile's few passes can sit far from what later runs see (measured: a profile's passes at 2.95 GB/s, runs at
+# 0.8x streaming at 1.9-2.1 GB/s, and the plan predicting 10.99 tok/s for a run that made 7.7). A run counts when
+# its compute waited on reads for at least IO_BOUND_SHARE of its time: then its bytes over its time are the disk's
+# pace, not compute's. The last SEEN_KEEP such runs are kept per device.
+IO_BOUND_SHARE = 0.2
+SEEN_KEEP = 15
+
+
+def _seen_path(path) -> Path | None:
+    try:
+        return cache_dir() / "profiles" / f"disk-seen-{os.stat(path).st_dev}.json"
+    except OSError:
+        return None
+
+
+def seen_disk_bw(path) -> list[float]:
+    """The read bandwidths (bytes/s) of the last streamed runs on the device holding path the disk set the pace
+    of, oldest first."""
+    seen = _seen_path(path)
+    try:
+        return [float(x) for x in json.loads(seen.read_text())["bytes_per_s"]] if seen else []
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+
+
+def record_run(path, timings: dict, alone: bool = True) -> None:
+    """What a streamed run's O_DIRECT reads say of the disk holding path (timings: engine.stream_timings'): its
+    bytes over its time raise the best (the roofline's ceiling), and where the disk set the pace of a run of the
+    model alone, they join the runs plans predict with (typical_disk_bw). A speculative run's disk also waits
+    while the draft drafts, so its bytes over its time say less than the disk can."""
+    if timings.get("stream_bytes_read", 0) < SUSTAINED_BYTES or timings["stream_direct"] != timings["stream_reads"]:
+        return
+    bytes_per_s = timings["stream_read_gb_s"] * 1e9
+    record_disk_bw(path, bytes_per_s, "run")
+    elapsed = timings["stream_bytes_read"] / bytes_per_s
+    seen = _seen_path(path)
+    if not alone or seen is None or timings["stream_stall_s"] < IO_BOUND_SHARE * elapsed:
+        return
+    recent = (seen_disk_bw(path) + [bytes_per_s])[-SEEN_KEEP:]
+    seen.parent.mkdir(parents=True, exist_ok=True)
+    tmp = seen.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"bytes_per_s": recent, "file": str(path)}))
+    tmp.replace(seen)
+
+
+def typical_disk_bw(path, measured: float) -> float:
+    """The bandwidth to plan with: the median of a profile's measure and the recent runs the disk paced."""
+    return statistics.median([measured, *seen_disk_bw(path)])
+
+
 def measure(model: Model, n_threads: int, remeasure: bool = False) -> Profile:
-    """The machine's profile for this model, measured once and cached."""
+    """The machine's profile for this model, measured once and cached; its disk bandwidth the typical one, the
+    profile's passes and the streamed runs since (typical_disk_bw)."""
+    profile = _measure(model, n_threads, remeasure)
+    return replace(profile, disk_bw=typical_disk_bw(model.path, profile.disk_bw))
+
+
+def _measure(model: Model, n_threads: int, remeasure: bool) -> Profile:
     cached = _cache_path(model, n_threads)
     if cached.exists() and not remeasure:
         d = json.loads(cached.read_text())

@@ -77,3 +77,47 @@ def test_the_best_bandwidth_is_kept_per_device_and_only_raised(tmp_path, monkeyp
     slow = Profile(disk_bw=1.0e9)
     assert planners.ceiling(Fake, slow) == replace(slow, disk_bw=2.1e9)
     assert planners.ceiling(Fake, Profile(disk_bw=3e9)).disk_bw == 3e9
+
+
+def _timings(gb_s: float, stall_share: float, n_bytes: int = 1 << 30, buffered: int = 0) -> dict:
+    """A streamed run's timings (engine.stream_timings' keys) that read n_bytes at gb_s, compute waiting
+    stall_share of the time."""
+    return {"stream_bytes_read": n_bytes, "stream_reads": 100, "stream_direct": 100 - buffered,
+            "stream_read_gb_s": gb_s, "stream_stall_s": stall_share * n_bytes / (gb_s * 1e9)}
+
+
+def test_runs_the_disk_paced_set_the_bandwidth_plans_predict_with(tmp_path, monkeypatch):
+    """This disk drifts over minutes: a profile's passes are one sample, the recent runs that waited on the disk
+    are the rest, and plans predict with their median. A run that mostly computed, a speculative run (its disk
+    idles while the draft drafts), a short one and one read through the page cache say nothing of the disk."""
+    monkeypatch.setenv("FLEXOFFLOAD_CACHE", str(tmp_path / "cache"))
+    f = tmp_path / "model.gguf"
+    f.write_bytes(b"x")
+    assert profile.typical_disk_bw(f, 3e9) == 3e9
+    profile.record_run(f, _timings(1.0, 0.05))  # compute-bound
+    profile.record_run(f, _timings(1.0, 0.9), alone=False)
+    profile.record_run(f, _timings(1.0, 0.9, n_bytes=profile.SUSTAINED_BYTES - 1))
+    profile.record_run(f, _timings(1.0, 0.9, buffered=1))
+    assert profile.seen_disk_bw(f) == []
+    assert profile.best_disk_bw(f) == 1e9  # the ceiling: any long O_DIRECT run, alone or not
+    for gb_s in (2.0, 1.8, 1.9):
+        profile.record_run(f, _timings(gb_s, 0.5))
+    assert profile.seen_disk_bw(f) == pytest.approx([2.0e9, 1.8e9, 1.9e9])
+    assert profile.typical_disk_bw(f, 3e9) == pytest.approx(1.95e9)  # median of 3.0, 2.0, 1.9, 1.8
+    for i in range(profile.SEEN_KEEP):
+        profile.record_run(f, _timings(1.0 + i / 100, 0.5))
+    assert profile.seen_disk_bw(f)[0] == pytest.approx(1.0e9)  # the oldest go
+    assert len(profile.seen_disk_bw(f)) == profile.SEEN_KEEP
+
+
+def test_a_profile_plans_with_the_typical_bandwidth(tiny_model, tmp_path, monkeypatch):
+    """The profile's own measure stays in its cache; what planning gets is the median with the runs since."""
+    monkeypatch.setenv("FLEXOFFLOAD_CACHE", str(tmp_path / "cache"))
+    m = load(tiny_model)
+    measured = profile.measure(m, 1).disk_bw
+    for _ in range(2):
+        profile.record_run(tiny_model, _timings(measured / 4e9, 0.5))
+    assert profile.measure(m, 1).disk_bw == pytest.approx(measured / 4)
+    import json
+
+    assert json.loads(profile._cache_path(m, 1).read_text())["disk_bw"] == measured

@@ -91,11 +91,16 @@ def test_real_model_greedy_matches_mmap(real_model, strategy):
 
 @pytest.mark.integration
 def test_real_model_stream_under_enforced_budget(real_model):
+    """At 0.4x compute waits on the disk most of the time: the run's read bandwidth joins the runs plans predict
+    with (profile.typical_disk_bw)."""
+    from flexoffload import profile
+
     out = run_json(real_model, PROMPT, 16, "--mem", "0.4x", "--enforce")
     size_mb = real_model.stat().st_size / 2**20
     assert out["enforced"] and out["strategy"] == "stream"
     assert out["peak_mem_mb"] <= 0.4 * size_mb + 1
     assert out["timings"]["stream_rereads"] == 0 and out["timings"]["stream_direct"] > 0
+    assert profile.seen_disk_bw(real_model)[-1] == pytest.approx(out["timings"]["stream_read_gb_s"] * 1e9)
 
 
 LONG_PROMPT = " ".join("abcdefghijklmnopqrstuvwxyz") * 3 + " aa ab ac ad"  # > 2 chunks of rows in one ubatch

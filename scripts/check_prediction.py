@@ -1,0 +1,92 @@
+#!/usr/bin/env python3
+"""The cost model's predicted tok/s against measured runs, with the disk as the profile measured it once and as
+the recent runs have met it (profile.typical_disk_bw), and which way `run -md` decides under each.
+
+This disk drifts between about 0.8 and 2.2 GB/s over minutes, so a profile's passes are one sample. Each round
+runs every budget in turn, each run an enforced cgroup with the page cache dropped; before each run one pass of
+the profile's reads says where the disk is now. The runs themselves add to the history the typical bandwidth is
+taken from, as any run does.
+
+    scripts/check_prediction.py --mem 0.4x,0.6x,0.8x -r 3 -n 32 -o results/prediction_qwen1.5b.csv
+
+Writes a CSV row per run as it goes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from unittest import mock
+
+from flexoffload import api, models, profile
+from flexoffload import budget as budgets
+from flexoffload.bench import write_csv
+from flexoffload.model import load
+
+DRAFT = "qwen2.5-coder-0.5b-instruct"
+
+
+def request(model: str, mem: int, n_predict: int, n_ctx: int, draft: str | None = None) -> api.Request:
+    return api.Request(model=model, prompt="def quicksort(arr):", n_predict=n_predict, n_ctx=n_ctx, n_batch=64,
+                       mem=str(mem), temp=0.0, draft=draft)
+
+
+def predicted(model: str, mem: int, n_ctx: int, raw: bool) -> tuple[float, bool]:
+    """The plan's predicted tok/s, and whether `run -md` would speculate; raw: with the profile's own disk
+    measure, as before the runs' history counted."""
+    measure = profile.measure
+    if raw:
+        measure = lambda m, t, remeasure=False: profile._measure(m, t, remeasure)  # noqa: E731
+    with mock.patch.object(profile, "measure", measure):
+        alone = api.prepare(request(model, mem, 64, n_ctx)).plan.predicted_tok_s
+        with_draft = api.prepare(request(model, mem, 64, n_ctx, DRAFT)).request.draft is not None
+    return alone, with_draft
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("-m", "--model", default=models.DEFAULT_MODEL)
+    ap.add_argument("--mem", default="0.4x,0.6x,0.8x")
+    ap.add_argument("-r", "--rounds", type=int, default=3)
+    ap.add_argument("-n", "--n-predict", type=int, default=32)
+    ap.add_argument("-c", "--ctx-size", type=int, default=512)
+    ap.add_argument("-o", "--output", required=True)
+    a = ap.parse_args()
+    path = str(models.resolve(a.model))
+    model = load(path)
+    rows = []
+    for round_ in range(1, a.rounds + 1):
+        for text in a.mem.split(","):
+            mem = budgets.parse_size(text, model.file_size)
+            raw_tok_s, raw_draft = predicted(path, mem, a.ctx_size, raw=True)
+            typical_tok_s, typical_draft = predicted(path, mem, a.ctx_size, raw=False)
+            budgets.drop_page_cache()
+            disk_now = profile.disk_speed(model, passes=1).bandwidth
+            row = {"round": round_, "budget": text, "budget_mb": mem / 2**20,
+                   "profile_gb_s": profile._measure(model, 2, False).disk_bw / 1e9,
+                   "typical_gb_s": profile.measure(model, 2).disk_bw / 1e9,
+                   "runs_seen": len(profile.seen_disk_bw(path)), "disk_now_gb_s": disk_now / 1e9,
+                   "predicted_profile": raw_tok_s, "predicted_typical": typical_tok_s,
+                   "md_speculates_profile": raw_draft, "md_speculates_typical": typical_draft}
+            budgets.drop_page_cache()
+            try:
+                out = api.generate(request(path, mem, a.n_predict, a.ctx_size), enforce=True, timeout=600)
+                t = out["timings"]
+                row.update(tok_s=out["decode_tok_s"], read_gb_s=t["stream_read_gb_s"], stall_s=t["stream_stall_s"],
+                           error="")
+            except Exception as e:  # noqa: BLE001 (a failed run is a row, the rest go on)
+                row.update(tok_s=0.0, read_gb_s=0.0, stall_s=0.0, error=str(e).splitlines()[0])
+            for key in ("predicted_profile", "predicted_typical"):
+                row[f"{key}_over"] = row[key] / row["tok_s"] if row["tok_s"] else 0.0
+            rows.append(row)
+            write_csv(rows, a.output)
+            print(", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
+                  flush=True)
+    for key in ("predicted_profile_over", "predicted_typical_over"):
+        ratios = [r[key] for r in rows if r[key]]
+        if ratios:
+            print(f"{key}: median {statistics.median(ratios):.2f}, {min(ratios):.2f}-{max(ratios):.2f}")
+
+
+if __name__ == "__main__":
+    main()
