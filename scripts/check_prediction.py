@@ -18,7 +18,7 @@ import argparse
 import statistics
 from unittest import mock
 
-from flexoffload import api, models, profile
+from flexoffload import FlexoffloadError, api, models, profile
 from flexoffload import budget as budgets
 from flexoffload.bench import write_csv
 from flexoffload.model import load
@@ -31,15 +31,18 @@ def request(model: str, mem: int, n_predict: int, n_ctx: int, draft: str | None 
                        mem=str(mem), temp=0.0, draft=draft)
 
 
-def predicted(model: str, mem: int, n_ctx: int, raw: bool) -> tuple[float, bool]:
-    """The plan's predicted tok/s, and whether `run -md` would speculate; raw: with the profile's own disk
-    measure, as before the runs' history counted."""
+def predicted(model: str, mem: int, n_ctx: int, raw: bool) -> tuple[float, bool | None]:
+    """The plan's predicted tok/s, and whether `run -md` would speculate (None: the draft does not fit); raw: with
+    the profile's own disk measure, as before the runs' history counted."""
     measure = profile.measure
     if raw:
         measure = lambda m, t, remeasure=False: profile._measure(m, t, remeasure)  # noqa: E731
     with mock.patch.object(profile, "measure", measure):
         alone = api.prepare(request(model, mem, 64, n_ctx)).plan.predicted_tok_s
-        with_draft = api.prepare(request(model, mem, 64, n_ctx, DRAFT)).request.draft is not None
+        try:
+            with_draft = api.prepare(request(model, mem, 64, n_ctx, DRAFT)).request.draft is not None
+        except FlexoffloadError:
+            with_draft = None
     return alone, with_draft
 
 
