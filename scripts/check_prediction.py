@@ -8,6 +8,9 @@ the profile's reads says where the disk is now. The runs themselves add to the h
 taken from, as any run does.
 
     scripts/check_prediction.py --mem 0.4x,0.6x,0.8x -r 3 -n 32 -o results/prediction_qwen1.5b.csv
+    scripts/check_prediction.py --decide --mem 0.8x -r 3 -n 64 -o results/prediction_md_qwen1.5b.csv
+
+--decide runs `run -md` as a user would (speculating or not as it decides) and the target alone, in turn.
 
 Writes a CSV row per run as it goes.
 """
@@ -46,6 +49,26 @@ def predicted(model: str, mem: int, n_ctx: int, raw: bool) -> tuple[float, bool 
     return alone, with_draft
 
 
+def decide(a, path: str, model) -> None:
+    """`run -md` with its own decision, and the target alone, in turn: decode tok/s of each."""
+    rows = []
+    for round_ in range(1, a.rounds + 1):
+        for text in a.mem.split(","):
+            mem = budgets.parse_size(text, model.file_size)
+            alone = None
+            for config, draft in (("alone", None), ("-md", DRAFT)):
+                budgets.drop_page_cache()
+                out = api.generate(request(path, mem, a.n_predict, a.ctx_size, draft), enforce=True, timeout=600)
+                alone = alone or out["tokens"]
+                rows.append({"round": round_, "budget": text, "config": config, "speculated": "draft" in out,
+                             "same_as_alone": out["tokens"] == alone,
+                             "typical_gb_s": profile.measure(model, 2).disk_bw / 1e9, "tok_s": out["decode_tok_s"],
+                             "tokens_per_pass": out["timings"].get("tokens_per_pass", 1.0),
+                             "text": out.get("text", "")[:60]})
+                write_csv(rows, a.output)
+                print(rows[-1], flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("-m", "--model", default=models.DEFAULT_MODEL)
@@ -54,9 +77,13 @@ def main() -> None:
     ap.add_argument("-n", "--n-predict", type=int, default=32)
     ap.add_argument("-c", "--ctx-size", type=int, default=512)
     ap.add_argument("-o", "--output", required=True)
+    ap.add_argument("--decide", action="store_true", help="run -md as decided, against the target alone")
     a = ap.parse_args()
     path = str(models.resolve(a.model))
     model = load(path)
+    if a.decide:
+        decide(a, path, model)
+        return
     rows = []
     for round_ in range(1, a.rounds + 1):
         for text in a.mem.split(","):
