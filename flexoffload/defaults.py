@@ -48,6 +48,14 @@ def content_key(*parts: str) -> str:
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
 
+def write_atomic(path: Path, text: str) -> None:
+    """Write a cache file whole or not at all (a part file renamed over it), its folder made if need be."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.part")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
 def cache_dir() -> Path:
     """Where models, the native build, profiles and footprints are kept: $FLEXOFFLOAD_CACHE or
     ~/.cache/flexoffload."""

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from . import FlexoffloadError
 from .budget import MiB
-from .defaults import cache_dir, file_key
+from .defaults import cache_dir, file_key, write_atomic
 
 # "llama_kv_cache:        CPU KV buffer size =    28.00 MiB" (one line per cache: an ISWA model has two),
 # "llama_context:        CPU compute buffer size =    67.01 MiB", "llama_context:        CPU  output buffer size = ..."
@@ -95,14 +95,6 @@ def child_json(cmd: list[str], what: str, timeout: int) -> dict:
         last = (r.stderr.strip().splitlines() or [f"exit {r.returncode}"])[-1]
         raise FlexoffloadError(last.removeprefix("flexoffload: "))
     return json.loads(r.stdout)
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Write a cache file whole or not at all (a part file renamed over it)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.part")
-    tmp.write_text(text)
-    tmp.replace(path)
 
 
 def slack(budget: int) -> int:

@@ -23,7 +23,7 @@ from pathlib import Path
 from . import FlexoffloadError
 from .costmodel import MATMUL_KINDS, Profile, chunk_rows, row_bytes
 from .model import Model
-from .defaults import CHUNK_BYTES, IO_THREADS, cache_dir, file_key
+from .defaults import CHUNK_BYTES, IO_THREADS, cache_dir, file_key, write_atomic
 
 HUGE_PAGE = 2 << 20  # a transparent huge page on x86-64 and arm64 (4 KiB base pages)
 ALIGN = 4096  # O_DIRECT wants offset, length and buffer aligned to the logical block size; 4 KiB covers all
@@ -172,10 +172,7 @@ def record_disk_bw(path, bytes_per_s: float, source: str) -> None:
     best = _best_path(path)
     if best is None or bytes_per_s <= best_disk_bw(path):
         return
-    best.parent.mkdir(parents=True, exist_ok=True)
-    tmp = best.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"bytes_per_s": bytes_per_s, "source": source, "file": str(path)}))
-    tmp.replace(best)
+    write_atomic(best, json.dumps({"bytes_per_s": bytes_per_s, "source": source, "file": str(path)}))
 
 
 # The disk as streamed runs have met it: this disk drifts between about 0.8 and 2.2 GB/s over minutes, so one
@@ -218,10 +215,7 @@ def record_run(path, timings: dict, alone: bool = True) -> None:
     if not alone or seen is None or timings["stream_stall_s"] < IO_BOUND_SHARE * elapsed:
         return
     recent = (seen_disk_bw(path) + [bytes_per_s])[-SEEN_KEEP:]
-    seen.parent.mkdir(parents=True, exist_ok=True)
-    tmp = seen.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"bytes_per_s": recent, "file": str(path)}))
-    tmp.replace(seen)
+    write_atomic(seen, json.dumps({"bytes_per_s": recent, "file": str(path)}))
 
 
 def typical_disk_bw(path, measured: float) -> float:
@@ -246,8 +240,5 @@ def _measure(model: Model, n_threads: int, remeasure: bool) -> Profile:
         record_disk_bw(model.path, max(disk.passes), "profile")
     tok_s = compute_speed(model.path, n_threads)
     profile = Profile.calibrated(model, tok_s=tok_s, disk_bw=disk.bandwidth, io_latency=disk.latency)
-    cached.parent.mkdir(parents=True, exist_ok=True)
-    tmp = cached.with_suffix(".tmp")
-    tmp.write_text(json.dumps(profile.to_dict(), indent=1))
-    tmp.replace(cached)
+    write_atomic(cached, json.dumps(profile.to_dict(), indent=1))
     return profile

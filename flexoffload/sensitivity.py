@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from . import FlexoffloadError, humaneval, precision
-from .defaults import cache_dir, content_key, file_key
+from .defaults import cache_dir, content_key, file_key, write_atomic
 from .model import Model
 
 N_GROUPS = 4  # layer groups per kind: 7 layers each on the 1.5B's 28
@@ -247,9 +247,7 @@ def load_cached(model: Model, n_groups: int = N_GROUPS,
 
 
 def _save(path: Path, s: Sensitivity) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(asdict(s), indent=1))
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(asdict(s), indent=1))
 
 
 def _same_share(a: list[list[int]], b: list[list[int]]) -> float:

@@ -29,8 +29,8 @@ from pathlib import Path
 
 from . import FlexoffloadError
 from .budget import MiB
-from .defaults import cache_dir, file_key
-from .footprint import child_json, write_atomic
+from .defaults import cache_dir, file_key, write_atomic
+from .footprint import child_json
 from .model import Model
 
 _KV = re.compile(r"llama_kv_cache: size =\s*([0-9.]+) MiB")
