@@ -1,5 +1,7 @@
 """The disk profile reads as the streaming runtime does."""
 
+import json
+
 import pytest
 
 from flexoffload import costmodel, profile, synth
@@ -118,6 +120,4 @@ def test_a_profile_plans_with_the_typical_bandwidth(tiny_model, tmp_path, monkey
     for _ in range(2):
         profile.record_run(tiny_model, _timings(measured / 4e9, 0.5))
     assert profile.measure(m, 1).disk_bw == pytest.approx(measured / 4)
-    import json
-
     assert json.loads(profile._cache_path(m, 1).read_text())["disk_bw"] == measured
