@@ -226,11 +226,12 @@ def typical_disk_bw(path, measured: float) -> float:
 def measure(model: Model, n_threads: int, remeasure: bool = False) -> Profile:
     """The machine's profile for this model, measured once and cached; its disk bandwidth the typical one, the
     profile's passes and the streamed runs since (typical_disk_bw)."""
-    profile = _measure(model, n_threads, remeasure)
+    profile = as_measured(model, n_threads, remeasure)
     return replace(profile, disk_bw=typical_disk_bw(model.path, profile.disk_bw))
 
 
-def _measure(model: Model, n_threads: int, remeasure: bool) -> Profile:
+def as_measured(model: Model, n_threads: int, remeasure: bool = False) -> Profile:
+    """The profile as its own passes measured it (cached): measure without the runs since."""
     cached = _cache_path(model, n_threads)
     if cached.exists() and not remeasure:
         d = json.loads(cached.read_text())

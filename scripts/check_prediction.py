@@ -39,7 +39,7 @@ def predicted(model: str, mem: int, n_ctx: int, raw: bool) -> tuple[float, bool 
     the profile's own disk measure, as before the runs' history counted."""
     measure = profile.measure
     if raw:
-        measure = lambda m, t, remeasure=False: profile._measure(m, t, remeasure)  # noqa: E731
+        measure = profile.as_measured
     with mock.patch.object(profile, "measure", measure):
         alone = api.prepare(request(model, mem, 64, n_ctx)).plan.predicted_tok_s
         try:
@@ -93,7 +93,7 @@ def main() -> None:
             budgets.drop_page_cache()
             disk_now = profile.disk_speed(model, passes=1).bandwidth
             row = {"round": round_, "budget": text, "budget_mb": mem / 2**20,
-                   "profile_gb_s": profile._measure(model, 2, False).disk_bw / 1e9,
+                   "profile_gb_s": profile.as_measured(model, 2).disk_bw / 1e9,
                    "typical_gb_s": profile.measure(model, 2).disk_bw / 1e9,
                    "runs_seen": len(profile.seen_disk_bw(path)), "disk_now_gb_s": disk_now / 1e9,
                    "predicted_profile": raw_tok_s, "predicted_typical": typical_tok_s,

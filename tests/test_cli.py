@@ -140,7 +140,13 @@ def test_models_list():
 def test_profile_and_plan(tiny_model, tmp_path):
     """profile measures and caches; plan writes tensors.ot and plan.json that agree with each other."""
     prof = json.loads(cli("profile", "-m", str(tiny_model), "--json", check=True).stdout)
-    assert prof["disk_bw"] > 0 and prof["compute_tok_s"] > 0
+    assert prof["disk_bw"] > 0 and prof["compute_tok_s"] > 0 and prof["disk_bw_profile"] > 0
+    from flexoffload import profile as profiler
+
+    # what plans use: the median of the profile's passes and the runs the disk paced on this device
+    runs = profiler.seen_disk_bw(tiny_model)
+    assert prof["disk_runs"] == len(runs)
+    assert prof["disk_bw"] == pytest.approx(profiler.typical_disk_bw(tiny_model, prof["disk_bw_profile"]))
     out = tmp_path / "plan"
     r = cli("plan", "-m", str(tiny_model), "--mem", "400M", "-c", "256", "-o", str(out), check=True)
     assert "predicted" in r.stdout and "roofline" in r.stdout
