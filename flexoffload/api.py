@@ -436,7 +436,7 @@ def run_prepared(p: Prepared, on_text=None) -> dict:
     from . import profile
 
     if "stream_read_gb_s" in timings:
-        profile.record_run(r.model, timings, alone=not r.draft)
+        profile.record_run(r.model, timings, typical=not r.draft and settings.window > 0)
     result.update(peak_mem_mb=budgets.peak_rss() / MiB, peak_source="rss", enforced=False,
                   budget_mb=p.limit / MiB if p.limit else None,
                   model={"path": r.model, "size": model.file_size, "name": model.name})

@@ -201,18 +201,19 @@ def seen_disk_bw(path) -> list[float]:
         return []
 
 
-def record_run(path, timings: dict, alone: bool = True) -> None:
+def record_run(path, timings: dict, typical: bool = True) -> None:
     """What a streamed run's O_DIRECT reads say of the disk holding path (timings: engine.stream_timings'): its
-    bytes over its time raise the best (the roofline's ceiling), and where the disk set the pace of a run of the
-    model alone, they join the runs plans predict with (typical_disk_bw). A speculative run's disk also waits
-    while the draft drafts, so its bytes over its time say less than the disk can."""
+    bytes over its time raise the best (the roofline's ceiling), and where the disk set the pace, they join the
+    runs plans predict with (typical_disk_bw) unless typical is False: a speculative run's disk also waits while
+    the draft drafts, and a run that does not read ahead (window 0) waits on each read in turn, so their bytes over
+    their time say less than the disk can."""
     if timings.get("stream_bytes_read", 0) < SUSTAINED_BYTES or timings["stream_direct"] != timings["stream_reads"]:
         return
     bytes_per_s = timings["stream_read_gb_s"] * 1e9
     record_disk_bw(path, bytes_per_s, "run")
     elapsed = timings["stream_bytes_read"] / bytes_per_s
     seen = _seen_path(path)
-    if not alone or seen is None or timings["stream_stall_s"] < IO_BOUND_SHARE * elapsed:
+    if not typical or seen is None or timings["stream_stall_s"] < IO_BOUND_SHARE * elapsed:
         return
     recent = (seen_disk_bw(path) + [bytes_per_s])[-SEEN_KEEP:]
     write_atomic(seen, json.dumps({"bytes_per_s": recent, "file": str(path)}))

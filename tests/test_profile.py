@@ -91,13 +91,14 @@ def _timings(gb_s: float, stall_share: float, n_bytes: int = 1 << 30, buffered: 
 def test_runs_the_disk_paced_set_the_bandwidth_plans_predict_with(tmp_path, monkeypatch):
     """This disk drifts over minutes: a profile's passes are one sample, the recent runs that waited on the disk
     are the rest, and plans predict with their median. A run that mostly computed, a speculative run (its disk
-    idles while the draft drafts), a short one and one read through the page cache say nothing of the disk."""
+    idles while the draft drafts), one that does not read ahead, a short one and one read through the page cache
+    say nothing of the disk."""
     monkeypatch.setenv("FLEXOFFLOAD_CACHE", str(tmp_path / "cache"))
     f = tmp_path / "model.gguf"
     f.write_bytes(b"x")
     assert profile.typical_disk_bw(f, 3e9) == 3e9
     profile.record_run(f, _timings(1.0, 0.05))  # compute-bound
-    profile.record_run(f, _timings(1.0, 0.9), alone=False)
+    profile.record_run(f, _timings(1.0, 0.9), typical=False)  # speculative, or window 0
     profile.record_run(f, _timings(1.0, 0.9, n_bytes=profile.SUSTAINED_BYTES - 1))
     profile.record_run(f, _timings(1.0, 0.9, buffered=1))
     assert profile.seen_disk_bw(f) == []

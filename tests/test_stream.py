@@ -103,6 +103,19 @@ def test_real_model_stream_under_enforced_budget(real_model):
     assert profile.seen_disk_bw(real_model)[-1] == pytest.approx(out["timings"]["stream_read_gb_s"] * 1e9)
 
 
+@pytest.mark.integration
+def test_real_model_sync_run_does_not_count_toward_the_typical_disk(real_model):
+    """sync reads each tensor as compute reaches it (window 0): its compute waits on every read, but its bytes over
+    its time are below what the disk gives with reads ahead, so plans do not predict with them."""
+    from flexoffload import profile
+
+    before = profile.seen_disk_bw(real_model)
+    t = run_json(real_model, PROMPT, 4, "--strategy", "sync", "--mem", "0.5x")["timings"]
+    assert t["stream_bytes_read"] >= profile.SUSTAINED_BYTES and t["stream_direct"] == t["stream_reads"]
+    assert t["stream_stall_s"] > 0
+    assert profile.seen_disk_bw(real_model) == before
+
+
 LONG_PROMPT = " ".join("abcdefghijklmnopqrstuvwxyz") * 3 + " aa ab ac ad"  # > 2 chunks of rows in one ubatch
 
 
