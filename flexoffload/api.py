@@ -129,8 +129,9 @@ def _check(r: Request) -> None:
     if r.precision and (not r.mem or r.plan_dir or r.rpc or r.strategy != "stream"):
         raise FlexoffloadError("--precision auto plans precision with residency under --mem: not with --plan, --rpc "
                                "or another --strategy, for now")
-    if (r.max_kld is not None or r.min_tok_s is not None or r.original) and not r.precision:
-        raise FlexoffloadError("--max-kld, --min-tok-s and --original go with --precision auto")
+    from . import mixed
+
+    mixed.check_options(r.precision, r.max_kld, r.min_tok_s, r.original)
 
 
 def _kv_quantized(r: Request) -> bool:

@@ -344,6 +344,7 @@ def plan(model_spec, mem, policy, rpc, placement, ctx_size, batch_size, threads,
          tune_rounds, max_prompt, prompt_len, n_predict, flash_attn, cache_type_k, cache_type_v, precision, max_kld,
          min_tok_s, original, as_json):
     """Choose which tensors stay resident under a budget; write tensors.ot and plan.json."""
+    from . import mixed
     from . import plan as plans
     from . import profile as profiler
     from .model import load
@@ -355,8 +356,7 @@ def plan(model_spec, mem, policy, rpc, placement, ctx_size, batch_size, threads,
         return
     if out_dir is None:
         raise FlexoffloadError("plan writes its files to -o DIR")
-    if (max_kld is not None or min_tok_s is not None or original) and not precision:
-        raise FlexoffloadError("--max-kld, --min-tok-s and --original go with --precision auto")
+    mixed.check_options(precision, max_kld, min_tok_s, original)
     profile = profiler.measure(model, threads)
     if precision:
         if rpc or tune_best is not None or policy != "balanced" or window is not None:

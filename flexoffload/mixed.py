@@ -164,6 +164,12 @@ def choose(walk_: Walk, max_kld: float | None, min_tok_s: float | None) -> Point
     return point
 
 
+def check_options(precision_: str | None, max_kld: float | None, min_tok_s: float | None, original) -> None:
+    """run's and plan's --max-kld, --min-tok-s and --original mean something only with --precision auto."""
+    if (max_kld is not None or min_tok_s is not None or original) and not precision_:
+        raise FlexoffloadError("--max-kld, --min-tok-s and --original go with --precision auto")
+
+
 def plan(model: Model, budget: int, profile, n_ctx: int, n_batch: int, max_kld: float | None = None,
          min_tok_s: float | None = None, n_threads: int | None = None, io_threads: int | None = None,
          measure_quality: bool = True, original: Path | None = None, on_row=None, **run):
