@@ -24,12 +24,13 @@ import tempfile
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from . import FlexoffloadError
-from . import budget as budgets
-from . import models as catalog
-from . import tune
-from .budget import MiB, format_size
-from .defaults import IO_THREADS, STRATEGIES, WINDOW
+from flexoffload import FlexoffloadError
+from flexoffload.memory import budget as budgets
+from flexoffload.gguf import models as catalog
+from flexoffload.measure import footprint
+from flexoffload.measure import tune as tuning
+from flexoffload.memory.budget import MiB, format_size
+from flexoffload.defaults import IO_THREADS, STRATEGIES, WINDOW
 
 
 
@@ -104,7 +105,7 @@ def _check(r: Request) -> None:
         raise FlexoffloadError("no prompt: give one with -p TEXT or -f FILE")
     if r.n_ubatch < 0 or r.n_ubatch > r.n_batch or r.flash_attn not in ("on", "off", "auto"):
         raise FlexoffloadError("-ub must be between 1 and -b, -fa one of on, off, auto")
-    from .engine import KV_TYPES
+    from flexoffload.runtime.engine import KV_TYPES
 
     if r.cache_type_k not in KV_TYPES or r.cache_type_v not in KV_TYPES:
         raise FlexoffloadError(f"-ctk and -ctv must be one of {', '.join(KV_TYPES)}")
@@ -115,7 +116,7 @@ def _check(r: Request) -> None:
     if r.spec not in ("tree", "chain"):
         raise FlexoffloadError(f"unknown speculation shape {r.spec!r}: tree or chain")
     if r.rpc:
-        from . import devices
+        from flexoffload.native import devices
 
         devices.parse_endpoints(r.rpc)
         if r.draft:
@@ -129,7 +130,7 @@ def _check(r: Request) -> None:
     if r.precision and (not r.mem or r.plan_dir or r.rpc or r.strategy != "stream"):
         raise FlexoffloadError("--precision auto plans precision with residency under --mem: not with --plan, --rpc "
                                "or another --strategy, for now")
-    from . import mixed
+    from flexoffload.plan import mixed
 
     mixed.check_options(r.precision, r.max_kld, r.min_tok_s, r.original)
 
@@ -141,7 +142,7 @@ def _kv_quantized(r: Request) -> bool:
 def _step_setting(r: Request, n_outputs: int = 1):
     """The context's setting for llama.cpp's dry run (stepmem), where -ub, -fa or the KV types are given; else
     None (the footprint probe's costs at -c/-b apply)."""
-    from . import stepmem
+    from flexoffload.memory import stepmem
 
     if not ((r.n_ubatch and r.n_ubatch != r.n_batch) or r.flash_attn != "auto" or _kv_quantized(r)):
         return None
@@ -155,19 +156,19 @@ def plan_for_run(model, r: Request, limit: int | None, n_outputs: int = 1, n_seq
     prefetch and sync stream every tensor but the small ones (policy none), with window 3 and 0. draft: the bytes a
     resident draft model takes out of the budget.
     """
-    from . import plan as plans
-    from . import profile as profiler
-    from .planners import plan_budget
+    from flexoffload.plan import plan as plans
+    from flexoffload.measure import profile as profiler
+    from flexoffload.plan.planners import plan_budget
 
     if limit is not None:  # llama.cpp's own report of the context: refuses a model it cannot load, first
-        budgets.context_bytes(model, r.n_ctx, r.n_batch, n_outputs, n_seq_max)
+        footprint.measure(model, r.n_ctx, r.n_batch, n_outputs, n_seq_max)
     if r.strategy == "mmap":
         setting = _step_setting(r, n_outputs)
         if limit is not None and setting is None:
-            budgets.check(model, limit - draft, r.n_ctx, r.n_batch)
+            budgets.check(model, limit - draft, footprint.measure(model, r.n_ctx, r.n_batch), r.n_ctx, r.n_batch)
         elif limit is not None:  # -ub, -fa or the KV types set the buffers: the dry run's costs, as for a plan
-            from . import stepmem
-            from .footprint import KERNEL_FIXED, smallest_budget
+            from flexoffload.measure import stepmem
+            from flexoffload.memory.footprint import KERNEL_FIXED, smallest_budget
 
             costs = stepmem.run_costs(model, setting, limit)
             need = smallest_budget(sum(costs.values()) + KERNEL_FIXED + budgets.largest_layer(model))
@@ -181,15 +182,15 @@ def plan_for_run(model, r: Request, limit: int | None, n_outputs: int = 1, n_seq
         plans.check_fits(plan, model, limit, r.plan_dir)
         return plan
     if r.rpc and r.mem and r.strategy == "stream":  # placed across the servers' devices, the host's share too
-        from . import placers
-        from . import devices
+        from flexoffload.measure import placement
+        from flexoffload.native import devices
 
-        return placers.for_endpoints(model, devices.parse_endpoints(r.rpc), r.mem, r.placement,
+        return placement.for_endpoints(model, devices.parse_endpoints(r.rpc), r.mem, r.placement,
                                      profiler.measure(model, r.n_threads), r.n_threads, r.n_ctx, r.n_batch)
     policy, window = r.policy, r.window
     if r.tuned and r.strategy == "stream" and policy == "balanced" and window is None and limit is not None \
             and n_outputs == 1 and not draft:
-        tuned = tune.cached(model, limit, r.n_ctx, r.n_batch)
+        tuned = tuning.cached(model, limit, r.n_ctx, r.n_batch)
         if tuned is not None:
             return tuned
     if r.strategy in ("prefetch", "sync"):
@@ -199,15 +200,16 @@ def plan_for_run(model, r: Request, limit: int | None, n_outputs: int = 1, n_seq
     setting = _step_setting(r, n_outputs)
     if setting is not None:
         # the ubatch, the attention path and the KV types set the buffers: their costs from llama.cpp's dry run
-        from . import stepmem
-        from .planners import make_plan
+        from flexoffload.measure import stepmem
+        from flexoffload.plan.planners import make_plan
 
         budget = limit if limit is not None else 4 * model.file_size + (1 << 30)
         return make_plan(model, budget, policy, profiler.measure(model, r.n_threads), window=window,
                          io_threads=r.io_threads or IO_THREADS, **stepmem.run_costs(model, setting, budget))
     return plan_budget(model, limit if limit is not None else 4 * model.file_size + (1 << 30), policy,
-                       profiler.measure(model, r.n_threads), n_ctx=r.n_ctx, n_batch=r.n_batch, window=window,
-                       io_threads=r.io_threads or IO_THREADS, n_outputs=n_outputs, n_seq_max=n_seq_max, draft=draft)
+                       profiler.measure(model, r.n_threads),
+                       footprint.measure(model, r.n_ctx, r.n_batch, n_outputs, n_seq_max), window=window,
+                       io_threads=r.io_threads or IO_THREADS, draft=draft)
 
 
 LONG_PROMPT = 256  # tokens: a prompt longer than this has its prefill's ubatch chosen (prefill.py)
@@ -223,11 +225,12 @@ def _mmap_instead(model, plan, n_threads: int) -> str:
     lost up to 11 %; one keeping every weight resident, in memory llama.cpp allocates and locks, 0-9 %, as upstream's
     own --mlock loses to mmap). The plan's margin (footprint.MARGIN) is for the budget's promise, not this
     prediction: it counts as cache."""
-    from . import costmodel, footprint
-    from . import profile as profiler
+    from flexoffload.measure import profile as profiler
+    from flexoffload.memory.footprint import MARGIN
+    from flexoffload.plan import costmodel
 
     m = plan.memory
-    page_cache = plan.budget - (m.kv_cache + m.compute + m.overhead + m.code) + int(footprint.MARGIN * plan.budget)
+    page_cache = plan.budget - (m.kv_cache + m.compute + m.overhead + m.code) + int(MARGIN * plan.budget)
     mmap_tok_s = 1 / costmodel.mmap_seconds(model, profiler.measure(model, n_threads), page_cache)
     if mmap_tok_s < plan.predicted_tok_s * (1 - MMAP_TIE):
         return ""
@@ -239,7 +242,7 @@ def _mmap_instead(model, plan, n_threads: int) -> str:
 def _check_prompt_length(model, r: Request) -> int:
     """The prompt's tokens; a prompt longer than the context (-c) or the model's trained context is one error,
     before anything loads."""
-    from .engine import count_tokens
+    from flexoffload.runtime.engine import count_tokens
 
     n = count_tokens(str(model.path), r.prompt)
     if n >= r.n_ctx:
@@ -252,15 +255,16 @@ def _check_prompt_length(model, r: Request) -> int:
 
 def _draft_bytes(draft_model, r: Request) -> int:
     """What the resident draft model takes out of the target's budget."""
-    from . import speculate, spectree
+    from flexoffload.plan.planners import resident_bytes
+    from flexoffload.runtime import speculate, spectree
 
-    return budgets.resident_bytes(draft_model, r.n_ctx, r.n_batch, spectree.MAX_BRANCHES, spectree.MAX_BRANCHES,
-                                  speculate.draft_by_rows(draft_model))
+    run = footprint.measure(draft_model, r.n_ctx, r.n_batch, spectree.MAX_BRANCHES, spectree.MAX_BRANCHES)
+    return resident_bytes(draft_model, run, speculate.draft_by_rows(draft_model))
 
 
 def _tree_outputs(r: Request) -> int:
     """A logits row per tree node (the node budget is memory), and llama.cpp keeps one per sequence."""
-    from . import spectree
+    from flexoffload.runtime import spectree
 
     return max(r.draft_max or spectree.MAX_NODES, spectree.MAX_BRANCHES + 1)
 
@@ -269,7 +273,7 @@ def _plan_model(r: Request):
     """A saved plan of lowered precision runs its own (requantized) file: given -m, that must be its source."""
     if not r.plan_dir:
         return None
-    from . import plan as plans
+    from flexoffload.plan import plan as plans
 
     plan = plans.read(r.plan_dir)
     if not plan.precision:
@@ -286,11 +290,12 @@ def _plan_model(r: Request):
 def _precision_plan(r: Request, model, limit: int):
     """run --precision auto: the plan mixed.py chooses (quality not measured again: plan --precision reports it),
     written to the cache; the request then runs the requantized file by it."""
-    from . import mixed, spectree
-    from . import plan as plans
-    from . import profile as profiler
-    from .defaults import cache_dir
-    from .model import load
+    from flexoffload.measure import mixed
+    from flexoffload.runtime import spectree
+    from flexoffload.plan import plan as plans
+    from flexoffload.measure import profile as profiler
+    from flexoffload.defaults import cache_dir
+    from flexoffload.gguf.model import load
 
     run = {}
     if r.draft:  # the target's plan leaves the resident draft its memory, and the tree its rows and sequences
@@ -309,7 +314,7 @@ def prepare(request: Request) -> Prepared:
     """Everything before loading: the model, the budget, the plan, and whether the draft pays at this budget.
 
     Bad input is a FlexoffloadError here, before any cgroup is made or weight is read."""
-    from .model import load
+    from flexoffload.gguf.model import load
 
     auto = request.strategy is None
     r = replace(request, strategy=request.strategy or ("stream" if request.mem or request.plan_dir else "mmap"))
@@ -319,7 +324,8 @@ def prepare(request: Request) -> Prepared:
     model = load(path)
     n_prompt = _check_prompt_length(model, r)
     if r.rpc and r.mem and "=" in r.mem:  # per device: this machine's budget is cpu=
-        from . import devices, placers
+        from flexoffload.native import devices
+        from flexoffload.plan import placers
 
         limit = placers.parse_mem(r.mem, devices.parse_endpoints(r.rpc), model)[0]
     else:
@@ -327,7 +333,7 @@ def prepare(request: Request) -> Prepared:
     if r.precision:  # the mixed file and its plan, saved like plan -o writes them; the run streams by them
         r, model = _precision_plan(r, model, limit)
     if r.rpc:  # llama.cpp aborts on a server it cannot reach: each is asked first, for a one-line error
-        from . import devices
+        from flexoffload.native import devices
 
         for endpoint in devices.parse_endpoints(r.rpc):
             devices.probe_rpc(endpoint)
@@ -335,8 +341,8 @@ def prepare(request: Request) -> Prepared:
     if (limit is not None and r.strategy == "stream" and not r.n_ubatch and not r.plan_dir and not r.rpc
             and not r.draft and r.flash_attn == "auto" and n_prompt > LONG_PROMPT):
         # a long prompt: the ubatch that makes the whole run fastest under the budget (prefill.py)
-        from . import prefill
-        from . import profile as profiler
+        from flexoffload.measure import prefill
+        from flexoffload.measure import profile as profiler
 
         u, _, first = prefill.choose(model, limit, n_prompt, r.n_predict, r.n_ctx, r.policy,
                                      profiler.measure(model, r.n_threads), r.n_threads, r.io_threads or IO_THREADS,
@@ -346,9 +352,9 @@ def prepare(request: Request) -> Prepared:
                      f"token predicted {first:.1f} s")
     if not r.draft:
         plan = plan_for_run(model, r, limit)
-        if plan is not None and plan.policy == tune.MMAP:  # plan --tune measured mmap faster at this budget
+        if plan is not None and plan.policy == tuning.MMAP:  # plan --tune measured mmap faster at this budget
             return Prepared(replace(r, strategy="mmap", plan_dir=None), model, limit, None,
-                            notes=[tune.mmap_note(plan)])
+                            notes=[tuning.mmap_note(plan)])
         if plan is not None and plan.placed and not r.rpc:
             raise FlexoffloadError(f"the plan in {r.plan_dir} places tensors on "
                                    f"{', '.join(dict.fromkeys(b for _, b in plan.placed))}: give their servers "
@@ -362,16 +368,17 @@ def prepare(request: Request) -> Prepared:
         setting = _step_setting(r)
         if setting is not None and not r.rpc and r.move_back:
             # decode after the prompt: the compute buffers shrink, and what they give back holds weights
-            from . import prefill
-            from . import profile as profiler
+            from flexoffload.measure import profile as profiler
+            from flexoffload.measure import stepmem
+            from flexoffload.plan import prefill
 
             prepared.decode_ubatch = prefill.DECODE_UBATCH
             if plan is not None and limit is not None and r.strategy == "stream" and not r.plan_dir:
                 prepared.resident_after_prefill, prepared.decode_tok_s = prefill.after_prefill(
-                    model, plan, setting, profiler.measure(model, r.n_threads))
+                    model, plan, stepmem.room(model, setting), profiler.measure(model, r.n_threads))
         return prepared
 
-    from . import spectree
+    from flexoffload.runtime import spectree
 
     if r.draft_max is not None and not 2 <= r.draft_max <= spectree.MAX_NODES:
         raise FlexoffloadError(f"--draft-max must be between 2 and {spectree.MAX_NODES}")
@@ -386,8 +393,8 @@ def prepare(request: Request) -> Prepared:
     prepared = Prepared(r, model, limit, plan, draft_model, draft_bytes)
     if plan and limit is not None and not r.plan_dir and not r.draft_always:
         # the draft's memory makes the target stream more: speculate only where that is predicted to pay
-        from . import profile as profiler
-        from .costmodel import compute_seconds
+        from flexoffload.measure import profile as profiler
+        from flexoffload.plan.costmodel import compute_seconds
 
         alone = plan_for_run(model, r, limit)
         draft_token_s = compute_seconds(draft_model, profiler.measure(draft_model, r.n_threads))
@@ -404,8 +411,9 @@ def prepare(request: Request) -> Prepared:
 
 def run_prepared(p: Prepared, on_text=None) -> dict:
     """Load and generate in this process; the result as a dict (engine.Result's fields and the run's context)."""
-    from . import devices, engine
-    from . import plan as plans
+    from flexoffload.native import devices
+    from flexoffload.runtime import engine
+    from flexoffload.plan import plan as plans
 
     r, model, plan = p.request, p.model, p.plan
     pairs = plans.overrides(plan) if plan else []  # tensors.ot's lines: (pattern, buffer type)
@@ -423,7 +431,8 @@ def run_prepared(p: Prepared, on_text=None) -> dict:
         window=(r.window if r.window is not None else plan.window) if plan else 0,
         io_threads=r.io_threads or (plan.io_threads if plan else IO_THREADS), verbose=r.verbose)
     if p.draft_model is not None:
-        from . import speculate, spectree
+        from flexoffload.runtime import speculate
+        from flexoffload.runtime import spectree
 
         spec = spectree.Options(tree=r.spec == "tree", pacer=r.pacer, adaptive=r.adaptive,
                                  adaptive_split=r.adaptive_split, pipeline=r.pipeline,
@@ -434,7 +443,7 @@ def run_prepared(p: Prepared, on_text=None) -> dict:
         with engine.Engine(r.model, settings) as eng:
             result = eng.generate(r.prompt, r.n_predict, on_text).to_dict()
     timings = result.get("timings", {})
-    from . import profile
+    from flexoffload.measure import profile
 
     if "stream_read_gb_s" in timings:
         profile.record_run(r.model, timings, typical=not r.draft and settings.window > 0)
@@ -513,15 +522,30 @@ def generate(request: Request, on_text=None, enforce: bool = False, echo=None, t
     return result
 
 
+def tune(model, budget: int, profile, n_ctx: int = 2048, n_batch: int = 512, n_best: int = 3, rounds: int = 2,
+         n_predict: int = 8, echo=None):
+    """plan --tune (measure/tune.py): the candidate plans each run cold under the enforced budget, in turn."""
+
+    def timed(how: dict) -> float:
+        request = Request(model=str(model.path), prompt=tuning.PROMPT, n_predict=n_predict, n_ctx=n_ctx,
+                          n_batch=n_batch, temp=0, mem=str(budget), **how)
+        prepared = prepare(request)
+        budgets.drop_page_cache()
+        return run_in_cgroup(prepared, budget, timeout=900)["decode_tok_s"]
+
+    return tuning.tune(model, budget, profile, footprint.measure(model, n_ctx, n_batch), timed, n_ctx, n_batch,
+                     n_best, rounds, echo)
+
+
 def main() -> None:
     """The child of an enforced run (or an RPC one): `python -m flexoffload.api REQUEST.json RESULT.json
     [--stream-text]`. It runs here, in this process: the parent made the child to hold it."""
     request_file, result_file, *flags = sys.argv[1:]
     request = Request(**json.loads(Path(request_file).read_text()))
     if request.rpc:
-        from . import rpc
+        from flexoffload import native
 
-        rpc.spin_briefly()
+        native.spin_briefly()
     on_text = (lambda s: (sys.stdout.write(s), sys.stdout.flush())) if "--stream-text" in flags else None
     try:
         result = run_prepared(prepare(request), on_text)

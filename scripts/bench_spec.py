@@ -45,12 +45,16 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from flexoffload import FlexoffloadError, api, baseline, humaneval, plain
-from flexoffload import budget as budgets
-from flexoffload import models as catalog
-from flexoffload.budget import MiB
+from flexoffload import FlexoffloadError
+from flexoffload import api
+from flexoffload.bench import baseline
+from flexoffload.prompts import humaneval
+from flexoffload.prompts import plain
+from flexoffload.memory import budget as budgets
+from flexoffload.gguf import models as catalog
+from flexoffload.memory.budget import MiB
 from flexoffload.cli import request_from_args
-from flexoffload.model import load
+from flexoffload.gguf.model import load
 
 FLEX = {  # flexoffload run flags per configuration; "{draft}" is the draft model
     "stream": ["--strategy", "stream"],
@@ -324,7 +328,7 @@ def bench(a) -> None:
             raise FlexoffloadError(f"{task} has {n} tokens: with -n {a.n_predict} it needs -c of at least "
                                    f"{n + a.n_predict + CTX_MARGIN}, not {a.ctx_size}")
     if any(c != SPECULATIVE and c != "mmap" for c in configs):
-        from flexoffload import profile as profiler
+        from flexoffload.measure import profile as profiler
 
         profiler.measure(target, a.threads)  # measured once, outside the budget, as `flexoffload bench` does
         profiler.measure(load(draft_path), a.threads)  # the draft's speed: whether speculation pays (auto)

@@ -20,8 +20,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from flexoffload import humaneval, models, native  # noqa: E402
-from flexoffload.bench import write_csv  # noqa: E402
+from flexoffload.prompts import humaneval
+from flexoffload.gguf import models
+from flexoffload import native  # noqa: E402
+from flexoffload.bench.sweep import write_csv  # noqa: E402
 
 RUNS = {"mmap": ["--strategy", "mmap"], "stream 0.6x": ["--mem", "0.6x", "--enforce"],
         "-md 0.8x": ["--mem", "0.8x", "--enforce", "-md", models.DRAFT_MODEL]}

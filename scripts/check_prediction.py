@@ -21,10 +21,13 @@ import argparse
 import statistics
 from unittest import mock
 
-from flexoffload import FlexoffloadError, api, models, profile
-from flexoffload import budget as budgets
-from flexoffload.bench import write_csv
-from flexoffload.model import load
+from flexoffload import FlexoffloadError
+from flexoffload import api
+from flexoffload.gguf import models
+from flexoffload.measure import profile
+from flexoffload.memory import budget as budgets
+from flexoffload.bench.sweep import write_csv
+from flexoffload.gguf.model import load
 
 DRAFT = "qwen2.5-coder-0.5b-instruct"
 

@@ -20,10 +20,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from flexoffload import api, models, stepmem  # noqa: E402
-from flexoffload import budget as budgets  # noqa: E402
-from flexoffload.budget import MiB  # noqa: E402
-from flexoffload.model import load  # noqa: E402
+from flexoffload import api
+from flexoffload.gguf import models
+from flexoffload.memory import stepmem  # noqa: E402
+from flexoffload.memory import budget as budgets  # noqa: E402
+from flexoffload.memory.budget import MiB  # noqa: E402
+from flexoffload.gguf.model import load  # noqa: E402
 from matrix import long_prompt, run  # noqa: E402
 
 
@@ -88,7 +90,7 @@ def write_measured(row: dict, result: dict | None, err: str, writer, f) -> None:
 
 def predicted_resident(model, setting) -> dict:
     """The estimate of a run with every weight resident: its parts and their sum with the kernel's share (MiB)."""
-    from flexoffload.footprint import KERNEL_PER_BYTE
+    from flexoffload.memory.footprint import KERNEL_PER_BYTE
 
     c = stepmem.run_costs(model, setting, 0)  # overhead: heap, sampling, runtime, the kernel's fixed part
     need = model.weight_bytes + c["kv_cache"] + c["compute"] + c["overhead"]
@@ -145,8 +147,8 @@ def measured(row: dict, request, limit: int, writer, f) -> None:
 
 def chosen(opts) -> None:
     """The run's own choice of ubatch for a long prompt, at each budget of --mem (comma-separated), in turn."""
-    from flexoffload import prefill
-    from flexoffload import profile as profiler
+    from flexoffload.plan import prefill
+    from flexoffload.measure import profile as profiler
 
     path = models.resolve("qwen2.5-coder-1.5b-instruct")
     model = load(path)

@@ -26,11 +26,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from flexoffload import api, models, native, opprofile  # noqa: E402
-from flexoffload import budget as budgets  # noqa: E402
-from flexoffload import plan as plans  # noqa: E402
-from flexoffload import profile as profiler  # noqa: E402
-from flexoffload.model import load  # noqa: E402
+from flexoffload import api
+from flexoffload.gguf import models
+from flexoffload import native
+from flexoffload.measure import opprofile  # noqa: E402
+from flexoffload.memory import budget as budgets  # noqa: E402
+from flexoffload.plan import plan as plans  # noqa: E402
+from flexoffload.measure import profile as profiler  # noqa: E402
+from flexoffload.gguf.model import load  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent.parent / "results"
 MODEL = models.resolve("qwen2.5-coder-1.5b-instruct")

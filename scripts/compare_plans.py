@@ -20,11 +20,16 @@ import argparse
 import sys
 from unittest import mock
 
-from flexoffload import budget as budgets
-from flexoffload import engine, models, planners, plan as plans, profile, stream
-from flexoffload.model import load
-from flexoffload.planners import balanced
-from flexoffload.bench import write_csv
+from flexoffload.memory import budget as budgets
+from flexoffload.runtime import engine
+from flexoffload.gguf import models
+from flexoffload.plan import planners
+from flexoffload.plan import plan as plans
+from flexoffload.measure import profile
+from flexoffload.native import stream
+from flexoffload.gguf.model import load
+from flexoffload.plan.planners import balanced
+from flexoffload.bench.sweep import write_csv
 
 
 def make(model, prof, mem: int, name: str, n_ctx: int):

@@ -21,9 +21,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from flexoffload import budget as budgets
-from flexoffload import models
-from flexoffload.bench import write_csv
+from flexoffload.memory import budget as budgets
+from flexoffload.gguf import models
+from flexoffload.bench.sweep import write_csv
 
 
 # maps 2N GiB, touches every page, gives every other one back, says so and holds the rest until stdin closes

@@ -26,11 +26,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from flexoffload import FlexoffloadError, api, models, planners, synth  # noqa: E402
-from flexoffload import budget as budgets  # noqa: E402
-from flexoffload.bench import DEFAULT_PROMPT  # noqa: E402
+from flexoffload import FlexoffloadError
+from flexoffload import api
+from flexoffload.gguf import models
+from flexoffload.plan import planners
+from flexoffload.gguf import synth  # noqa: E402
+from flexoffload.memory import budget as budgets  # noqa: E402
+from flexoffload.bench.sweep import DEFAULT_PROMPT  # noqa: E402
 from flexoffload.defaults import cache_dir  # noqa: E402
-from flexoffload.model import load  # noqa: E402
+from flexoffload.gguf.model import load  # noqa: E402
 
 MiB = 1 << 20
 COLUMNS = ["model", "arch", "size_mb", "n_prompt", "budget", "budget_mb", "minimum_mb", "accepted", "refusal",
@@ -56,7 +60,7 @@ def model_path(name: str) -> Path:
 def long_prompt(path: Path, n_batch: int) -> str:
     """The bench prompt repeated until it fills a batch: prompt processing then uses the whole compute buffer the
     plan counts, as a user's long prompt does. Counted with the model's own vocabulary (a vocab-only load)."""
-    from flexoffload import engine
+    from flexoffload.runtime import engine
 
     lib = engine.llama_cpp()
     engine._Log(lib, verbose=False)  # llama.cpp's log kept, not printed

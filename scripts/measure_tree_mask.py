@@ -12,8 +12,10 @@ import argparse
 import statistics
 import time
 
-from flexoffload import engine, models, speculate
-from flexoffload.bench import write_csv
+from flexoffload.runtime import engine
+from flexoffload.gguf import models
+from flexoffload.runtime import speculate
+from flexoffload.bench.sweep import write_csv
 
 
 def tree_items(pos0: int, n_tokens: int, n_branches: int, token: int) -> list[tuple[int, int, list[int], bool]]:

@@ -15,10 +15,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from flexoffload import api, models, placement, rpc  # noqa: E402
-from flexoffload import budget as budgets  # noqa: E402
-from flexoffload import plan as plans  # noqa: E402
-from flexoffload.model import load  # noqa: E402
+from flexoffload import api
+from flexoffload.gguf import models
+from flexoffload.plan import placement
+from flexoffload.bench import machines as rpc  # noqa: E402
+from flexoffload.memory import budget as budgets  # noqa: E402
+from flexoffload.plan import plan as plans  # noqa: E402
+from flexoffload.gguf.model import load  # noqa: E402
 
 
 def main() -> None:

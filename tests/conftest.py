@@ -5,7 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from flexoffload import models, synth
+from flexoffload.gguf import models
+from flexoffload.gguf import synth
 
 
 @pytest.fixture(scope="session")

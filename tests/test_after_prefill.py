@@ -5,8 +5,12 @@ import re
 
 import pytest
 
-from flexoffload import engine, prefill, stepmem, stream, synth
-from flexoffload.model import load
+from flexoffload.runtime import engine
+from flexoffload.plan import prefill
+from flexoffload.memory import stepmem
+from flexoffload.native import stream
+from flexoffload.gguf import synth
+from flexoffload.gguf.model import load
 
 SHAPE = synth.Shape(n_layer=4, n_embd=1024, n_ff=2816, n_head=8, n_head_kv=4, n_vocab=384, n_ctx_train=1024)
 PROMPT = " ".join(f"w{i}" for i in range(120))
@@ -64,8 +68,8 @@ def test_make_resident_skips_what_is_not_streamed(model):
 def test_after_prefill_fills_what_the_compute_buffers_give_back(model):
     """The chosen tensors fit in the memory the buffers give back, go to the layers streaming the most first, and
     the predicted decode is no slower."""
-    from flexoffload import profile as profiler
-    from flexoffload.planners import make_plan
+    from flexoffload.measure import profile as profiler
+    from flexoffload.plan.planners import make_plan
 
     m = load(model)
     setting = stepmem.Setting(512, 256, "on")

@@ -6,7 +6,8 @@ from dataclasses import asdict
 import pytest
 
 from conftest import cli
-from flexoffload import FlexoffloadError, api
+from flexoffload import FlexoffloadError
+from flexoffload import api
 from flexoffload.cli import request_from_args
 
 
@@ -46,9 +47,10 @@ def test_mmap_runs_where_the_cost_model_predicts_it_as_fast(tmp_path, monkeypatc
     """A budget whose page cache holds the model: mmap is predicted compute-bound, so a run without --strategy says
     so and runs mmap (a plan that streams everything all the more); --strategy stream streams; a budget whose cache
     cannot hold it streams."""
-    from flexoffload import plan as plans
-    from flexoffload import planners, synth
-    from flexoffload.model import load
+    from flexoffload.plan import plan as plans
+    from flexoffload.plan import planners
+    from flexoffload.gguf import synth
+    from flexoffload.gguf.model import load
 
     shape = synth.Shape(n_layer=4, n_embd=512, n_ff=1536, n_head=8, n_head_kv=2, n_vocab=1024, n_ctx_train=512)
     path = synth.write(tmp_path / "four.gguf", shape, "F32")
@@ -59,7 +61,7 @@ def test_mmap_runs_where_the_cost_model_predicts_it_as_fast(tmp_path, monkeypatc
     switched = api.prepare(request)
     assert switched.request.strategy == "mmap" and switched.plan is None
     monkeypatch.undo()
-    from flexoffload import budget as budgets
+    from flexoffload.memory import budget as budgets
 
     half = budgets.holding(load(path), load(path).weight_bytes // 2, 256, 64)
     small = api.prepare(api.Request(**{**asdict(request), "mem": str(half)}))

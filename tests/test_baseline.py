@@ -9,8 +9,12 @@ from pathlib import Path
 import pytest
 
 from conftest import cli
-from flexoffload import FlexoffloadError, baseline, humaneval, models, native
-from flexoffload.budget import MiB
+from flexoffload import FlexoffloadError
+from flexoffload.bench import baseline
+from flexoffload.prompts import humaneval
+from flexoffload.gguf import models
+from flexoffload import native
+from flexoffload.memory.budget import MiB
 
 FIXTURE = Path(__file__).parent / "fixtures" / "llama_speculative_humaneval2.json"
 REPO = Path(__file__).resolve().parent.parent

@@ -4,7 +4,7 @@ import sys
 import pytest
 
 from flexoffload import FlexoffloadError
-from flexoffload.budget import MemoryCgroup, MiB, parse_size
+from flexoffload.memory.budget import MemoryCgroup, MiB, parse_size
 
 
 @pytest.mark.parametrize("text,expected", [
@@ -52,8 +52,8 @@ def test_the_measured_runtime_is_within_a_real_runs_peak(tiny_model):
     import json
 
     from conftest import cli
-    from flexoffload import budget
-    from flexoffload.model import load
+    from flexoffload.memory import budget
+    from flexoffload.gguf.model import load
 
     budget.drop_page_cache()
     r = cli("run", "-m", str(tiny_model), "-p", "a b c", "-n", "4", "--temp", "0", "--mem", "512M", "--enforce",
@@ -64,8 +64,8 @@ def test_the_measured_runtime_is_within_a_real_runs_peak(tiny_model):
 
 
 def test_minimum_is_refused_below_and_named(tiny_model):
-    from flexoffload import budget
-    from flexoffload.model import load
+    from flexoffload.memory import budget
+    from flexoffload.gguf.model import load
 
     m = load(tiny_model)
     need = budget.minimum(m, 2048, 512)
@@ -79,7 +79,7 @@ def test_minimum_is_refused_below_and_named(tiny_model):
 def test_run_limited_charges_the_child_and_samples_what_it_cannot_give_back():
     """The one way to run a child under a budget: moved into its cgroup before it execs (no preexec_fn), its
     anonymous memory seen by the sampled peak, the kernel's OOM kill reported."""
-    from flexoffload.budget import run_limited
+    from flexoffload.memory.budget import run_limited
 
     ok = run_limited(_child(100, hold_s=0.5), 300 * MiB)  # held long enough for the 20 ms samples to see it
     assert ok.returncode == 0 and ok.stdout.strip() == "ok" and ok.enforced and not ok.oom_killed
@@ -91,7 +91,7 @@ def test_run_limited_charges_the_child_and_samples_what_it_cannot_give_back():
 
 
 def test_run_limited_stops_a_child_past_its_timeout():
-    from flexoffload.budget import run_limited
+    from flexoffload.memory.budget import run_limited
 
     with pytest.raises(FlexoffloadError, match="timed out"):
         run_limited([sys.executable, "-c", "import time; time.sleep(30)"], 200 * MiB, timeout=1)

@@ -141,7 +141,7 @@ def test_profile_and_plan(tiny_model, tmp_path):
     """profile measures and caches; plan writes tensors.ot and plan.json that agree with each other."""
     prof = json.loads(cli("profile", "-m", str(tiny_model), "--json", check=True).stdout)
     assert prof["disk_bw"] > 0 and prof["compute_tok_s"] > 0 and prof["disk_bw_profile"] > 0
-    from flexoffload import profile as profiler
+    from flexoffload.measure import profile as profiler
 
     # what plans use: the median of the profile's passes and the runs the disk paced on this device
     runs = profiler.seen_disk_bw(tiny_model)
@@ -150,7 +150,7 @@ def test_profile_and_plan(tiny_model, tmp_path):
     out = tmp_path / "plan"
     r = cli("plan", "-m", str(tiny_model), "--mem", "400M", "-c", "256", "-o", str(out), check=True)
     assert "predicted" in r.stdout and "roofline" in r.stdout
-    from flexoffload import plan as plans
+    from flexoffload.plan import plan as plans
 
     p = plans.read(out)
     assert p.policy == "balanced" and p.memory.total <= p.budget
@@ -178,7 +178,7 @@ def test_models_synth_refuses_an_unwritable_path(tmp_path):
 def test_a_plan_must_fit_the_model_and_the_budget(tiny_model, tmp_path):
     """A saved plan made for another model, or larger than --mem, is refused in one line; --window is no sync
     flag."""
-    from flexoffload import synth
+    from flexoffload.gguf import synth
 
     other = synth.write(tmp_path / "other.gguf", synth.SHAPES["llama-gqa-tiny"])
     plan_dir = tmp_path / "plan"

@@ -3,10 +3,11 @@ import random
 
 import pytest
 
-from flexoffload import costmodel, synth
-from flexoffload.costmodel import Pipeline, Profile, Stage, simulate, window_bytes_of
-from flexoffload.model import load
-from flexoffload.planners import always_resident
+from flexoffload.plan import costmodel
+from flexoffload.gguf import synth
+from flexoffload.plan.costmodel import Pipeline, Profile, Stage, simulate, window_bytes_of
+from flexoffload.gguf.model import load
+from flexoffload.plan.planners import always_resident
 
 # 8 layers, F32: attn_q/attn_output 1 MiB, attn_k/v 256 KiB (small), FFN 3 MiB each, token_embd/output 2 MiB
 SHAPE = synth.Shape(n_layer=8, n_embd=512, n_ff=1536, n_head=8, n_head_kv=2, n_vocab=1024, n_ctx_train=512)
@@ -176,7 +177,7 @@ def test_window_bytes_is_the_largest_run_of_window_plus_one_stages(model):
 def test_chunks_split_as_the_runtime_does():
     """As patch 0007 splits: as few chunks of at most the chunk size as will do, about equal, whole rows, a multiple
     of 64 rows when a chunk holds 64; a tensor not larger than a chunk (or not 2-D, or chunking off) is whole."""
-    from flexoffload.model import Tensor
+    from flexoffload.gguf.model import Tensor
 
     # the real 1.5B's output: 151936 rows of 1536 Q6_K (1260 bytes a row), 183 MiB
     out = Tensor("output.weight", "output", None, "Q6_K", (1536, 151936), 151936 * 1260, 0)
@@ -315,7 +316,7 @@ def test_a_streamed_tied_token_embd_is_looked_up_by_rows_and_read_by_chunks_for_
 
 
 def test_planners_may_stream_a_tied_token_embd_and_count_what_it_holds(tied):
-    from flexoffload.planners import make_plan, minimum_budget
+    from flexoffload.plan.planners import make_plan, minimum_budget
 
     embd = next(t for t in tied.tensors if t.kind == "token_embd")
     low = minimum_budget(tied, 1)

@@ -77,11 +77,11 @@ def test_prompt_file_is_read_as_llama_completion_reads_it(tiny_model, tmp_path):
 def test_every_strategy_equals_llama_completion_with_the_same_overrides(tmp_path):
     """A plan's tensors.ot given to the patched llama-completion (-ot) streams the same tensors: its greedy text is
     flexoffload's for the plan, for prefetch and sync (everything streamable streamed), and upstream mmap's."""
-    from flexoffload import budget as budgets
-    from flexoffload import plan as plans
-    from flexoffload import synth
-    from flexoffload.model import load
-    from flexoffload.planners import always_resident
+    from flexoffload.memory import budget as budgets
+    from flexoffload.plan import plan as plans
+    from flexoffload.gguf import synth
+    from flexoffload.gguf.model import load
+    from flexoffload.plan.planners import always_resident
 
     shape = synth.Shape(n_layer=4, n_embd=1024, n_ff=2816, n_head=8, n_head_kv=4, n_vocab=384, n_ctx_train=1024)
     model = synth.write(tmp_path / "streamable.gguf", shape)

@@ -2,8 +2,9 @@
 
 import pytest
 
-from flexoffload import FlexoffloadError, footprint
-from flexoffload.model import load
+from flexoffload import FlexoffloadError
+from flexoffload.memory import footprint
+from flexoffload.gguf.model import load
 
 
 def test_kv_cache_is_what_llama_cpp_allocates(tiny_model):
@@ -30,7 +31,7 @@ def test_the_heap_grows_with_the_vocabulary(tmp_path, monkeypatch):
     """A 256k-token vocabulary's token texts, map and scores are tens of MiB of heap; a 32-token one's nearly none.
     Probed in a fresh process as a plan does: in pytest's, the allocator may hand back what earlier tests freed,
     and the heap would seem to grow by nothing."""
-    from flexoffload import synth
+    from flexoffload.gguf import synth
 
     monkeypatch.setenv("FLEXOFFLOAD_CACHE", str(tmp_path))
     big = footprint.measure(load(synth.write(tmp_path / "big.gguf", synth.SHAPES["gemma3-tiny-256k"])), 256, 32)
@@ -63,8 +64,10 @@ def test_the_plan_predicts_what_the_run_cannot_give_back(tmp_path, shape):
     """Streamed at its minimum budget and at a roomier one, in a cgroup with room to spare: the sampled peak of
     anonymous and kernel memory is never above the plan's prediction, and within 10 % of it (and the fixed kernel
     reserve: 7 % of these 30 MiB runs; scripts/matrix.py checks the 10 % at realistic sizes)."""
-    from flexoffload import api, planners, synth
-    from flexoffload.bench import DEFAULT_PROMPT
+    from flexoffload import api
+    from flexoffload.plan import planners
+    from flexoffload.gguf import synth
+    from flexoffload.bench.sweep import DEFAULT_PROMPT
 
     path = synth.write(tmp_path / f"{shape}.gguf", synth.SHAPES[shape])
     m = load(path)

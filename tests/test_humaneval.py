@@ -4,7 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from flexoffload import FlexoffloadError, humaneval
+from flexoffload import FlexoffloadError
+from flexoffload.prompts import humaneval
 
 
 def test_prompts_are_the_real_humaneval_problems():
@@ -47,7 +48,7 @@ def test_missing_package_data_is_a_clear_error(monkeypatch, tmp_path):
 
 
 def test_plain_prompts_tuning_and_evaluation_are_apart():
-    from flexoffload import plain
+    from flexoffload.prompts import plain
 
     tune, ev = plain.prompts("tuning", len(plain.TUNING)), plain.prompts("evaluation", 6)
     assert len(ev) == 6 and not {t for _, t in tune} & set(plain.EVALUATION)
@@ -72,9 +73,11 @@ def test_the_canonical_solution_passes_and_an_empty_body_fails():
 
 @pytest.mark.integration
 def test_pass_at_1_completes_greedily_and_cuts_at_the_function_s_end(real_model):
-    r = humaneval.pass_at_1(real_model, [53, 55], n_threads=2)
+    from flexoffload.bench import humaneval as scoring
+
+    r = scoring.pass_at_1(real_model, [53, 55], n_threads=2)
     assert r["n"] == 2 and [x["task_id"] for x in r["results"]] == ["HumanEval/53", "HumanEval/55"]
     add = r["results"][0]
     assert add["passed"] and "return" in add["completion"]  # add(x, y): a 1.5B coder writes x + y
-    assert not any(s in x["completion"] for x in r["results"] for s in humaneval.STOPS)
+    assert not any(s in x["completion"] for x in r["results"] for s in scoring.STOPS)
     assert r["pass_at_1"] == r["passed"] / 2

@@ -1,7 +1,8 @@
 import pytest
 
-from flexoffload import FlexoffloadError, synth
-from flexoffload.model import load, tensor_kind
+from flexoffload import FlexoffloadError
+from flexoffload.gguf import synth
+from flexoffload.gguf.model import load, tensor_kind
 
 
 def test_tensor_table_of_a_synthetic_model(tiny_model):

@@ -67,7 +67,7 @@ def _max_difference(script: str, model, split: str) -> float:
 
 
 def _small_model(tmp_path):
-    from flexoffload import synth
+    from flexoffload.gguf import synth
 
     return synth.write(tmp_path / "m.gguf", synth.Shape(n_layer=2, n_embd=256, n_ff=512, n_head=4, n_head_kv=2,
                                                         n_vocab=384, n_ctx_train=1024))

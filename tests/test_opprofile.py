@@ -3,8 +3,9 @@
 import json
 
 from conftest import cli
-from flexoffload import opprofile, synth
-from flexoffload.model import load
+from flexoffload.measure import opprofile
+from flexoffload.gguf import synth
+from flexoffload.gguf.model import load
 
 SHAPE = synth.Shape(n_layer=4, n_embd=512, n_ff=1536, n_head=8, n_head_kv=2, n_vocab=1024, n_ctx_train=512)
 

@@ -8,13 +8,17 @@ from collections import Counter
 import pytest
 
 from conftest import cli
-from flexoffload import FlexoffloadError, api, placers, rpc, synth
-from flexoffload import plan as plans
-from flexoffload.costmodel import Profile
-from flexoffload.model import load
-from flexoffload.placement import (HOST, DeviceProfile, Placement, Walk, device_bytes, head_home, layer_devices,
+from flexoffload import FlexoffloadError
+from flexoffload import api
+from flexoffload.plan import placers
+from flexoffload.bench import machines as rpc
+from flexoffload.gguf import synth
+from flexoffload.plan import plan as plans
+from flexoffload.plan.costmodel import Profile
+from flexoffload.gguf.model import load
+from flexoffload.plan.placement import (HOST, DeviceProfile, Placement, Walk, device_bytes, head_home, layer_devices,
                                    tensor_devices)
-from flexoffload.placers import oato
+from flexoffload.plan.placers import oato
 
 RPC_LIKE = DeviceProfile("RPC0[10.77.0.2:50052]", compute_ratio=1.0, visit_s=0.7e-3, bandwidth=110e6)
 PROFILE = Profile(disk_bw=2e9, default_sec_per_byte=3e-11, layer_overhead=1e-4, token_overhead=7e-4)
@@ -64,13 +68,14 @@ def test_each_policy_stays_within_its_device_and_ours_is_never_predicted_slower(
     problem = _problem(qwen2, share)
     from types import SimpleNamespace
 
-    from flexoffload.placers import ours
+    from flexoffload.plan.placers import ours
 
     # the host keeps all it has (no streaming): the placement alone decides
     monkeypatch.setattr(ours, "evaluate", lambda p, pl: (SimpleNamespace(streamed=()), _cost(p, pl)))
     chosen = {}
     for name in ("layers", "split", "oato", "auto"):
-        from flexoffload.placers import layers, split
+        from flexoffload.plan.placers import layers
+        from flexoffload.plan.placers import split
 
         place = {"layers": layers.place, "split": split.place, "oato": oato.place, "auto": ours.place}[name]
         p = place(problem)
@@ -84,7 +89,7 @@ def test_each_policy_stays_within_its_device_and_ours_is_never_predicted_slower(
 
 
 def _cost(problem, p):
-    from flexoffload.placement import predict
+    from flexoffload.plan.placement import predict
 
     where = tensor_devices(problem.model, p)
     return predict(problem.model, p, list(problem.devices), PROFILE, {n for n, d in where.items() if d == HOST}, 0,

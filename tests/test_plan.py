@@ -3,10 +3,12 @@ import re
 
 import pytest
 
-from flexoffload import FlexoffloadError, plan, synth
-from flexoffload.costmodel import Profile
-from flexoffload.model import load
-from flexoffload.planners import POLICIES, make_plan
+from flexoffload import FlexoffloadError
+from flexoffload.plan import plan
+from flexoffload.gguf import synth
+from flexoffload.plan.costmodel import Profile
+from flexoffload.gguf.model import load
+from flexoffload.plan.planners import POLICIES, make_plan
 
 # 12 layers, so that blk.1 and blk.11 both exist: a pattern for one must not catch the other
 SHAPE = synth.Shape(n_layer=12, n_embd=512, n_ff=1024, n_head=8, n_head_kv=2, n_vocab=1024, n_ctx_train=512)

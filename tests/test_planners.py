@@ -2,10 +2,12 @@ from pathlib import Path
 
 import pytest
 
-from flexoffload import FlexoffloadError, models, synth
-from flexoffload.costmodel import Pipeline, Profile, roofline
-from flexoffload.model import Model, Tensor, load, tensor_kind
-from flexoffload.planners import (ATTENTION, FFN, POLICIES, always_resident, by_kind, is_small, layer_pool,
+from flexoffload import FlexoffloadError
+from flexoffload.gguf import models
+from flexoffload.gguf import synth
+from flexoffload.plan.costmodel import Pipeline, Profile, roofline
+from flexoffload.gguf.model import Model, Tensor, load, tensor_kind
+from flexoffload.plan.planners import (ATTENTION, FFN, POLICIES, always_resident, by_kind, is_small, layer_pool,
                                   ceiling, make_plan, memory_for, minimum_budget)
 
 # 8 layers, F32: attn_q/attn_output 1 MiB, attn_k/v 256 KiB (small), FFN 3 MiB each, token_embd/output 2 MiB
@@ -115,7 +117,8 @@ def test_token_embd_and_output_stay_unless_forced_and_token_embd_goes_first(qwen
 @pytest.mark.integration
 def test_streamed_token_embd_costs_its_rows_not_its_size(qwen):
     """Read by rows: its window memory is a lookup's pages, a decode pass reads one row of it."""
-    from flexoffload import costmodel, plan as plans
+    from flexoffload.plan import costmodel
+    from flexoffload.plan import plan as plans
 
     embd = next(t for t in qwen.tensors if t.name == "token_embd.weight")
     assert costmodel.reads_rows(qwen, embd) and costmodel.row_bytes(embd) == 1536 // 256 * 144  # Q4_K
@@ -289,8 +292,8 @@ def test_a_streamed_output_holds_two_chunks_not_itself(qwen):
     """The output matrix (183 MiB) is read in 12 chunks of 15 MiB, two in flight: streamed, it costs 30 MiB of
     window instead of itself, so the minimum budget of the 1.5B drops by some 150 MiB and 0.3x of it plans, with
     everything streamed but the small tensors."""
-    from flexoffload import costmodel
-    from flexoffload.planners import plan_budget
+    from flexoffload.plan import costmodel
+    from flexoffload.plan.planners import plan_budget
 
     out = next(t for t in qwen.tensors if t.name == "output.weight")
     assert costmodel.read_requests(out) == 12 and costmodel.held_bytes(out) < out.n_bytes / 5
@@ -306,7 +309,7 @@ def test_a_streamed_output_holds_two_chunks_not_itself(qwen):
     assert p.memory.total <= budget and out.name in p.streamed
     assert p.memory.window == Pipeline(qwen).window_bytes(set(p.resident), p.window) < 64 << 20
     # the ledger a policy fills keeps the same account as the pipeline
-    from flexoffload.planners import base
+    from flexoffload.plan.planners import base
 
     ledger = base(qwen, memory_for(qwen, small, 1) + (100 << 20), 1)
     assert out.name not in ledger.resident
@@ -318,7 +321,7 @@ def test_a_streamed_output_holds_two_chunks_not_itself(qwen):
 def test_balanced_streams_a_keepable_output_only_by_a_margin(qwen, monkeypatch):
     """Where the budget could keep the output, balanced streams it only if the cost model predicts that
     OUTPUT_MARGIN faster than its best plan keeping it (streamed, it measured slower than predicted)."""
-    from flexoffload.planners import balanced
+    from flexoffload.plan.planners import balanced
 
     prof, window = measured_like(qwen, 22.4), 1  # compute as measured here on 2026-11-23
     pipe = Pipeline(qwen, prof, 4)
@@ -336,6 +339,7 @@ def test_balanced_streams_a_keepable_output_only_by_a_margin(qwen, monkeypatch):
 
 
 def test_the_policy_names_are_the_planners():
-    from flexoffload import defaults, planners
+    from flexoffload import defaults
+    from flexoffload.plan import planners
 
     assert set(planners.POLICIES) == set(defaults.POLICIES) | {"none"}

@@ -8,9 +8,14 @@ import numpy as np
 import pytest
 
 from conftest import cli
-from flexoffload import FlexoffloadError, mixed, models, precision, sensitivity, synth
-from flexoffload.model import load
-from flexoffload.sensitivity import Row, Sensitivity
+from flexoffload import FlexoffloadError
+from flexoffload.plan import mixed
+from flexoffload.gguf import models
+from flexoffload.plan import precision
+from flexoffload.measure import sensitivity
+from flexoffload.gguf import synth
+from flexoffload.gguf.model import load
+from flexoffload.measure.sensitivity import Row, Sensitivity
 from test_equality import llama_completion
 
 # 256-wide rows take K-quants; Q4_0 weights leave two lower types (Q3_K, Q2_K) per group: a short profile
@@ -170,7 +175,7 @@ def test_kl_divergence_is_zero_against_itself_and_grows_with_fewer_bits(wide, ca
 def test_uqest_is_the_mean_entropy_of_the_greedy_continuation(wide):
     assert sensitivity.entropy(np.zeros(10, dtype=np.float32)) == pytest.approx(math.log(10))
     assert sensitivity.entropy(np.array([0.0, -1e4], dtype=np.float32)) == pytest.approx(0.0, abs=1e-9)
-    from flexoffload import engine
+    from flexoffload.runtime import engine
 
     u = sensitivity.uqest(wide.path, ["def add(a, b):"], n_predict=12, n_threads=2)
     assert 0 < u["uqest"] <= math.log(SHAPE.n_vocab)

@@ -4,9 +4,11 @@ import json
 
 import pytest
 
-from flexoffload import costmodel, profile, synth
-from flexoffload.model import load
-from flexoffload.planners import is_small
+from flexoffload.plan import costmodel
+from flexoffload.measure import profile
+from flexoffload.gguf import synth
+from flexoffload.gguf.model import load
+from flexoffload.plan.planners import is_small
 
 # 8 layers, F32: attn_q/attn_output 1 MiB, FFN 3 MiB each, token_embd/output 2 MiB; attn_k/v 256 KiB (small)
 SHAPE = synth.Shape(n_layer=8, n_embd=512, n_ff=1536, n_head=8, n_head_kv=2, n_vocab=1024, n_ctx_train=512)
@@ -60,8 +62,8 @@ def test_the_best_bandwidth_is_kept_per_device_and_only_raised(tmp_path, monkeyp
     """The roofline's disk figure: the best a profile pass or a run has shown on the model's device."""
     from dataclasses import replace
 
-    from flexoffload import planners
-    from flexoffload.costmodel import Profile
+    from flexoffload.plan import planners
+    from flexoffload.plan.costmodel import Profile
 
     monkeypatch.setenv("FLEXOFFLOAD_CACHE", str(tmp_path / "cache"))
     f = tmp_path / "model.gguf"

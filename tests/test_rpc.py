@@ -11,9 +11,14 @@ import time
 import pytest
 
 from conftest import cli
-from flexoffload import FlexoffloadError, api, devices, placement, rpc, synth
-from flexoffload import plan as plans
-from flexoffload.model import load
+from flexoffload import FlexoffloadError
+from flexoffload import api
+from flexoffload.native import devices
+from flexoffload.plan import placement
+from flexoffload.bench import machines as rpc
+from flexoffload.gguf import synth
+from flexoffload.plan import plan as plans
+from flexoffload.gguf.model import load
 
 
 def test_this_machine_has_a_cpu_device_with_its_memory():

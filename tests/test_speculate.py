@@ -9,9 +9,13 @@ from dataclasses import replace
 
 import pytest
 
-from flexoffload import engine, models, speculate, spectree, synth
-from flexoffload.model import load
-from flexoffload.spectree import Options
+from flexoffload.runtime import engine
+from flexoffload.gguf import models
+from flexoffload.runtime import speculate
+from flexoffload.runtime import spectree
+from flexoffload.gguf import synth
+from flexoffload.gguf.model import load
+from flexoffload.runtime.spectree import Options
 
 from conftest import cli
 
@@ -248,7 +252,9 @@ def test_real_verification_pass_without_tiled_kernels_equals_one_token_passes(re
 def test_real_draft_reads_its_token_embd_by_rows(draft_model):
     """The 0.5B draft has an output matrix of its own, so its token_embd (89 MiB) is only looked up: it is read a
     row per token, never kept, and the draft's tokens are those of the draft loaded whole."""
-    from flexoffload import budget, costmodel, stream
+    from flexoffload.memory import budget
+    from flexoffload.plan import costmodel
+    from flexoffload.native import stream
 
     model = load(draft_model)
     assert speculate.draft_by_rows(model) == ["token_embd.weight"]

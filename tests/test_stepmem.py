@@ -8,8 +8,11 @@ import json
 import pytest
 
 from conftest import cli
-from flexoffload import api, footprint, stepmem, synth
-from flexoffload.model import load
+from flexoffload import api
+from flexoffload.memory import footprint
+from flexoffload.memory import stepmem
+from flexoffload.gguf import synth
+from flexoffload.gguf.model import load
 
 
 @pytest.fixture(scope="module")
@@ -58,8 +61,8 @@ def test_the_longest_prompt_is_the_last_that_fits(qwen2):
 def test_a_quantized_kv_cache_holds_a_longer_prompt(tmp_path):
     """-ctk/-ctv q8_0 halves the cache's cells' bytes (about): the same budget holds a longer prompt; a quantized V
     without flash attention is one error, before anything loads."""
-    from flexoffload import synth
-    from flexoffload.model import load
+    from flexoffload.gguf import synth
+    from flexoffload.gguf.model import load
 
     # heads of 128 (q8_0's blocks are 32 values)
     shape = synth.Shape(n_layer=4, n_embd=512, n_ff=1024, n_head=4, n_head_kv=2, n_vocab=384, n_ctx_train=4096)
@@ -99,7 +102,7 @@ def test_a_prompt_too_long_is_refused_before_loading(qwen2, tmp_path):
 
 
 def test_a_long_prompt_gets_its_ubatch_chosen_and_the_same_tokens(qwen2, monkeypatch):
-    from flexoffload import prefill
+    from flexoffload.plan import prefill
 
     monkeypatch.setattr(api, "LONG_PROMPT", 32)
     prompt = " ".join(f"w{i}" for i in range(150))
@@ -122,7 +125,8 @@ def test_mmap_is_checked_with_the_kv_types_given(tmp_path):
     cache."""
     import re
 
-    from flexoffload import FlexoffloadError, synth
+    from flexoffload import FlexoffloadError
+    from flexoffload.gguf import synth
 
     shape = synth.Shape(n_layer=4, n_embd=512, n_ff=1024, n_head=4, n_head_kv=2, n_vocab=384, n_ctx_train=8192)
     path = synth.write(tmp_path / "heads128.gguf", shape)

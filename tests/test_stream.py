@@ -8,8 +8,8 @@ import shutil
 import pytest
 
 from conftest import cli
-from flexoffload import synth
-from flexoffload.model import load
+from flexoffload.gguf import synth
+from flexoffload.gguf.model import load
 
 # big enough that the FFN tensors are not "small" (always resident), small enough to write in a second
 STREAMABLE = synth.Shape(n_layer=4, n_embd=1024, n_ff=2816, n_head=8, n_head_kv=4, n_vocab=384, n_ctx_train=1024)
@@ -53,7 +53,7 @@ def test_stream_everything_matches_mmap(streamable_model, strategy):
 def test_every_policy_matches_mmap_under_a_budget(streamable_model, policy):
     m = load(streamable_model)
     base = run_json(streamable_model, "a b c", 8, "--strategy", "mmap")
-    from flexoffload import budget as budgets
+    from flexoffload.memory import budget as budgets
 
     # runtime, KV cache and compute buffers, then half the weights for resident tensors and the window
     budget = budgets.holding(m, m.weight_bytes // 2, 512, 512)
@@ -93,7 +93,7 @@ def test_real_model_greedy_matches_mmap(real_model, strategy):
 def test_real_model_stream_under_enforced_budget(real_model):
     """At 0.4x compute waits on the disk most of the time: the run's read bandwidth joins the runs plans predict
     with (profile.typical_disk_bw)."""
-    from flexoffload import profile
+    from flexoffload.measure import profile
 
     out = run_json(real_model, PROMPT, 16, "--mem", "0.4x", "--enforce")
     size_mb = real_model.stat().st_size / 2**20
@@ -107,7 +107,7 @@ def test_real_model_stream_under_enforced_budget(real_model):
 def test_real_model_sync_run_does_not_count_toward_the_typical_disk(real_model):
     """sync reads each tensor as compute reaches it (window 0): its compute waits on every read, but its bytes over
     its time are below what the disk gives with reads ahead, so plans do not predict with them."""
-    from flexoffload import profile
+    from flexoffload.measure import profile
 
     before = profile.seen_disk_bw(real_model)
     t = run_json(real_model, PROMPT, 4, "--strategy", "sync", "--mem", "0.5x")["timings"]
@@ -124,8 +124,9 @@ def test_logits_are_bit_exact(streamable_model):
     streams too, read by rows (a prompt of more than two chunks of rows, then a row a token)."""
     import numpy as np
 
-    from flexoffload import engine, plan as plans
-    from flexoffload.planners import always_resident
+    from flexoffload.runtime import engine
+    from flexoffload.plan import plan as plans
+    from flexoffload.plan.planners import always_resident
 
     m = load(streamable_model)
     streamed = [t.name for t in m.tensors if t.name not in always_resident(m) or t.kind == "token_embd"]
@@ -147,8 +148,11 @@ def test_streamed_token_embd_reads_only_its_rows(streamable_model, window):
     tokens, per chunk of 32, then one a token), nothing is read twice, and its pages are not kept."""
     import ctypes
 
-    from flexoffload import costmodel, engine, plan as plans, stream
-    from flexoffload.planners import always_resident
+    from flexoffload.plan import costmodel
+    from flexoffload.runtime import engine
+    from flexoffload.plan import plan as plans
+    from flexoffload.native import stream
+    from flexoffload.plan.planners import always_resident
 
     m = load(streamable_model)
     embd = next(t for t in m.tensors if t.kind == "token_embd")
@@ -397,7 +401,9 @@ def _chunked_run(model, strategy, window, streamed, chunk_bytes, n_batch_tokens)
     n_batch_tokens tokens each with its own output row, and the stats of the generation."""
     import ctypes
 
-    from flexoffload import engine, plan as plans, stream
+    from flexoffload.runtime import engine
+    from flexoffload.plan import plan as plans
+    from flexoffload.native import stream
 
     m = load(model)
     patterns = tuple(plans.override_patterns(streamed, [t.name for t in m.tensors]))
@@ -422,7 +428,7 @@ def test_chunked_output_is_bit_exact_and_holds_a_few_chunks(chunky_model, window
     pass reads the whole output once, nothing twice, and its memory is two chunks, not the tensor."""
     import numpy as np
 
-    from flexoffload import costmodel
+    from flexoffload.plan import costmodel
 
     m = load(chunky_model)
     output = next(t for t in m.tensors if t.kind == "output")
@@ -460,8 +466,8 @@ def test_a_tied_token_embd_streams_by_rows_and_chunks(tmp_path, window):
     up, nothing twice; it holds two chunks and a lookup's pages, as the cost model counts it."""
     import numpy as np
 
-    from flexoffload import costmodel
-    from flexoffload.costmodel import Pipeline
+    from flexoffload.plan import costmodel
+    from flexoffload.plan.costmodel import Pipeline
 
     model = synth.write(tmp_path / "tied.gguf", TIED_CHUNKY, output_scale=4.0)
     m = load(model)
@@ -489,8 +495,8 @@ def test_everything_chunked_is_bit_exact(chunky_model, window):
     streamed tensor's bytes once."""
     import numpy as np
 
-    from flexoffload import costmodel
-    from flexoffload.planners import always_resident
+    from flexoffload.plan import costmodel
+    from flexoffload.plan.planners import always_resident
 
     m = load(chunky_model)
     streamed = [t for t in m.tensors if t.name not in always_resident(m) or t.kind == "token_embd"]
@@ -508,7 +514,7 @@ def test_everything_chunked_is_bit_exact(chunky_model, window):
     else:  # the prefetcher may already be reading the next pass's first layers when the run ends
         assert passes * per_pass < t["stream_bytes_read"] < (passes + 1) * per_pass
     # the pool is sized by what the planner counts: the held bytes of window+1 layers
-    from flexoffload.costmodel import Pipeline
+    from flexoffload.plan.costmodel import Pipeline
 
     held = Pipeline(m, chunk_bytes=CHUNK).window_bytes({x.name for x in m.tensors} - {x.name for x in streamed},
                                                        window)
@@ -518,7 +524,7 @@ def test_everything_chunked_is_bit_exact(chunky_model, window):
 def test_the_window_reaches_past_a_resident_layer(chunky_model):
     """The first and last layers kept resident, window 1: the runtime's ring has no group for a resident layer, so
     the layer before the last and the output (read whole) are in flight together; the planner counts that."""
-    from flexoffload.costmodel import Pipeline
+    from flexoffload.plan.costmodel import Pipeline
 
     m = load(chunky_model)
     last, whole = CHUNKY.n_layer - 1, 64 << 20

@@ -4,8 +4,9 @@ loads and generates with them, and the realistic shapes have realistic sizes."""
 import pytest
 
 from conftest import cli
-from flexoffload import engine, synth
-from flexoffload.model import load
+from flexoffload.runtime import engine
+from flexoffload.gguf import synth
+from flexoffload.gguf.model import load
 
 TINY_SHAPES = ["tiny", "llama-gqa-tiny", "qwen2-tiny", "gemma3-tiny", "gemma3-tiny-256k", "phi3-tiny"]
 REALISTIC_SHAPES = ["llama2-7b", "llama-gqa-3b", "qwen2-1.5b", "gemma3-1b", "phi3-mini"]

@@ -3,9 +3,10 @@
 import json
 
 from conftest import cli
-from flexoffload import budget as budgets
-from flexoffload import synth, tune
-from flexoffload.model import load
+from flexoffload.memory import budget as budgets
+from flexoffload.gguf import synth
+from flexoffload.measure import tune
+from flexoffload.gguf.model import load
 
 STREAMABLE = synth.Shape(n_layer=4, n_embd=1024, n_ff=2816, n_head=8, n_head_kv=4, n_vocab=384, n_ctx_train=1024)
 
@@ -49,8 +50,9 @@ def test_pick_keeps_the_predicted_best_unless_another_is_clearly_faster():
 def test_a_run_whose_tuned_choice_is_mmap_says_so_and_runs_mmap(tmp_path, monkeypatch):
     from dataclasses import replace
 
-    from flexoffload import api, plan as plans
-    from flexoffload.profile import measure
+    from flexoffload import api
+    from flexoffload.plan import plan as plans
+    from flexoffload.measure.profile import measure
 
     monkeypatch.setenv("FLEXOFFLOAD_CACHE", str(tmp_path / "cache"))
     path = synth.write(tmp_path / "streamable.gguf", STREAMABLE)

@@ -1,0 +1,1 @@
+"""Benchmarks: sweeps over budgets and strategies, baselines, small machines for RPC."""

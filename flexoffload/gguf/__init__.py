@@ -1,0 +1,1 @@
+"""GGUF files: the tensor table, the catalog of real models, synthetic models."""

@@ -1,0 +1,1 @@
+"""What is measured on this machine: disk and compute, operators, sensitivity, tuning."""

@@ -1,0 +1,83 @@
+"""The prefill's measured side (HyperGen, issue 16): how fast a ubatch's pass computes here (`rates`), and the ubatch
+a long prompt is computed in, chosen under the budget with llama.cpp's own buffers for each (`choose`).
+plan/prefill.py predicts from them.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+from flexoffload import FlexoffloadError
+from flexoffload.defaults import cache_dir, file_key
+from flexoffload.gguf.model import Model
+from flexoffload.measure.stepmem import minimum, room, run_costs
+from flexoffload.memory.stepmem import UBATCHES, Setting
+from flexoffload.plan.costmodel import Profile
+from flexoffload.plan.plan import Plan
+from flexoffload.plan.prefill import after_prefill, ttft
+
+
+def rates(model: Model, n_threads: int, remeasure: bool = False) -> dict[int, float]:
+    """Seconds one prefill pass of u tokens takes with every weight in memory, by u (UBATCHES), cached: a context
+    of the largest ubatch, warm, the best of two passes at each size."""
+    from flexoffload.runtime import engine
+    from flexoffload.measure.profile import warm_page_cache
+
+    path = cache_dir() / "profiles" / f"{file_key(model.path)}-t{n_threads}-prefill-v1.json"
+    if path.exists() and not remeasure:
+        return {int(k): v for k, v in json.loads(path.read_text()).items()}
+    top = max(UBATCHES)
+    warm_page_cache(model.path)
+    settings = engine.Settings(n_ctx=top + 64, n_batch=top, n_ubatch=top, n_threads=n_threads, temp=0.0,
+                               flash_attn="on")
+    out = {}
+    with engine.Engine(str(model.path), settings) as eng:
+        lib = eng.lib
+        n_vocab = lib.llama_vocab_n_tokens(eng.vocab)
+        for u in UBATCHES:
+            tokens = [(7 * i + 11) % n_vocab for i in range(u)]
+            best = None
+            for _ in range(2):
+                lib.llama_memory_clear(lib.llama_get_memory(eng.ctx), True)
+                t0 = time.perf_counter()
+                eng._decode(tokens)
+                seconds = time.perf_counter() - t0
+                best = seconds if best is None else min(best, seconds)
+            out[u] = best
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out))
+    return out
+
+
+def choose(model: Model, budget: int, n_prompt: int, n_predict: int, n_ctx: int, policy: str, profile: Profile,
+           n_threads: int, io_threads: int, n_outputs: int = 1, type_k: str = "f16",
+           type_v: str = "f16") -> tuple[int, Plan, float]:
+    """The ubatch (of UBATCHES, at most the prompt) whose plan the cost model predicts the run fastest with, that
+    plan, and its predicted time to first token."""
+    from flexoffload.plan.planners import make_plan
+
+    rate = rates(model, n_threads)
+    best = None
+    for u in sorted(UBATCHES):
+        if u > max(n_prompt, min(UBATCHES)) and best is not None:
+            break  # a ubatch past the prompt only takes memory
+        setting = Setting(n_ctx, min(u, n_ctx), "on", type_k, type_v, n_outputs=n_outputs)
+        try:
+            plan = make_plan(model, budget, policy, profile, io_threads=io_threads,
+                             **run_costs(model, setting, budget))
+        except FlexoffloadError:
+            continue  # its compute buffer does not fit beside the smallest plan
+        first = ttft(model, plan, n_prompt, u, profile, rate)
+        _, decode_tok_s = after_prefill(model, plan, room(model, setting), profile)
+        total = first + max(n_predict, 1) / decode_tok_s
+        if best is None or total < best[0]:
+            best = (total, u, plan, first)
+    if best is None:
+        from flexoffload.memory.budget import format_size
+
+        least = minimum(model, Setting(n_ctx, min(min(UBATCHES), n_ctx), "on", type_k, type_v, n_outputs=n_outputs))
+        raise FlexoffloadError(f"a context of {n_ctx} cells does not fit {model.path.name} in {format_size(budget)} "
+                               f"at any ubatch: it needs {format_size(least, up=True)} (plan --max-prompt: the "
+                               f"longest prompt this budget holds)")
+    return best[1], best[2], best[3]

@@ -1,0 +1,247 @@
+"""Measure what the cost model needs on this machine: disk bandwidth and latency, and compute speed.
+
+- Disk: O_DIRECT reads of the model file itself, as the streaming runtime issues them (one tensor or chunk a
+  request, several in flight, the same bytes pass after pass), so the page cache plays no part and the number is
+  what prefetch threads will see.
+- Compute: decode tok/s with every weight in memory (the file read into the page cache first, mmap), the
+  ceiling that streaming can approach.
+
+Profiles are kept in the cache per model file (name, size, mtime), so planning does not measure again.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import mmap
+import os
+import statistics
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from flexoffload import FlexoffloadError
+from flexoffload.plan.costmodel import MATMUL_KINDS, Profile, chunk_rows, row_bytes
+from flexoffload.gguf.model import Model
+from flexoffload.defaults import CHUNK_BYTES, IO_THREADS, cache_dir, file_key, write_atomic
+
+HUGE_PAGE = 2 << 20  # a transparent huge page on x86-64 and arm64 (4 KiB base pages)
+ALIGN = 4096  # O_DIRECT wants offset, length and buffer aligned to the logical block size; 4 KiB covers all
+
+
+@dataclass
+class DiskSpeed:
+    bandwidth: float  # bytes/s: the median pass
+    latency: float  # seconds for one small read
+    passes: tuple[float, ...] = ()  # bytes/s of each pass, in order
+    direct: bool = True  # read with O_DIRECT (else through the page cache: not the disk's speed)
+
+
+def pass_requests(model: Model, max_bytes: int, chunk_bytes: int = CHUNK_BYTES) -> list[tuple[int, int]]:
+    """The (offset, length) requests one streamed pass issues, O_DIRECT-aligned: a request per tensor a matrix
+    multiplication reads (not the small ones, resident in every plan, unless all are small), a request per chunk
+    of one larger than chunk_bytes; tensors in file order, spread over the file, at most max_bytes of them."""
+    from flexoffload.plan.planners import is_small
+
+    matmul = [t for t in model.tensors if t.kind in MATMUL_KINDS]
+    tensors = [t for t in matmul if not is_small(t)] or matmul  # what a plan streams; a tiny model: all of them
+    total = sum(t.n_bytes for t in tensors)
+    step = max(1, round(total / max_bytes)) if total > max_bytes else 1
+    requests = []
+    for t in tensors[::step]:
+        rows = chunk_rows(t, chunk_bytes)
+        pieces = t.n_bytes if rows is None else rows * row_bytes(t)
+        for start in range(t.offset, t.offset + t.n_bytes, pieces):
+            end = min(start + pieces, t.offset + t.n_bytes)
+            a, b = start // ALIGN * ALIGN, -(-end // ALIGN) * ALIGN
+            requests.append((a, b - a))  # the last may pass the end of the file: a short read
+    return requests
+
+
+def huge_buffer(n: int) -> memoryview:
+    """n bytes of committed memory at a 2 MiB boundary, advised to be transparent huge pages, as the runtime's read
+    pool is (patch 0011): into scattered 4 KiB pages an O_DIRECT read goes out in block requests of under 1 MiB,
+    and this disk serves those markedly slower."""
+    buf = mmap.mmap(-1, n + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # shared memory is not THP
+    start = -ctypes.addressof(ctypes.c_char.from_buffer(buf)) % HUGE_PAGE
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        buf.madvise(mmap.MADV_HUGEPAGE)
+    view = memoryview(buf)[start:start + n]
+    view[::mmap.PAGESIZE] = b"\0" * len(view[::mmap.PAGESIZE])  # commit now, outside the timed reads
+    return view
+
+
+def disk_speed(model: Model, max_bytes: int = 768 << 20, io_threads: int = IO_THREADS, passes: int = 3) -> DiskSpeed:
+    """O_DIRECT bandwidth as the streaming runtime sees it: its requests (a tensor or a chunk each, see
+    pass_requests), io_threads in flight, the same bytes read again pass after pass as every decoded token does;
+    the median pass. Then the latency of single 4 KiB reads.
+
+    The reads go into huge pages, as the runtime's do (huge_buffer): into fresh 4 KiB pages five passes over the
+    1.5B read at 0.79-1.07 GB/s (results/disk_qwen1.5b.csv), into huge pages at 1.78-2.36 GB/s
+    (results/disk_qwen1.5b_huge.csv). The median of a few passes of the runtime's own pattern, not one sequential
+    read, is the number to plan with."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    requests = pass_requests(model, max_bytes)
+    if not requests:
+        raise FlexoffloadError(f"cannot measure disk speed on {model.path}: no tensor to read")
+    direct = True
+    try:
+        fd = os.open(model.path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
+    except OSError:  # a file system without O_DIRECT (tmpfs): buffered reads, page cache and all
+        fd, direct = os.open(model.path, os.O_RDONLY), False
+    try:
+        largest = max(n for _, n in requests)
+        buffers = [huge_buffer(largest) for _ in range(io_threads)]
+
+        def reader(k: int) -> int:
+            return sum(os.preadv(fd, [buffers[k][:n]], off) for off, n in requests[k::io_threads])
+
+        rates = []
+        with ThreadPoolExecutor(io_threads) as pool:  # preadv releases the GIL
+            for _ in range(passes):
+                t0 = time.perf_counter()
+                n_bytes = sum(pool.map(reader, range(io_threads)))
+                rates.append(n_bytes / max(time.perf_counter() - t0, 1e-9))
+        small = mmap.mmap(-1, ALIGN)
+        size = os.fstat(fd).st_size
+        step = max(size // 64 // ALIGN * ALIGN, ALIGN)
+        t1 = time.perf_counter()
+        count = 0
+        for off in range(0, size - ALIGN, step):
+            os.preadv(fd, [small], off)
+            count += 1
+        latency = (time.perf_counter() - t1) / max(count, 1)
+    except OSError as e:
+        raise FlexoffloadError(f"cannot read {model.path} for profiling: {e.strerror}") from None
+    finally:
+        os.close(fd)
+    if not rates or max(rates) <= 0:
+        raise FlexoffloadError(f"cannot measure disk speed on {model.path}: nothing was read")
+    return DiskSpeed(bandwidth=statistics.median(rates), latency=latency, passes=tuple(rates), direct=direct)
+
+
+def warm_page_cache(path: str | os.PathLike) -> None:
+    with open(path, "rb", buffering=0) as f:
+        while f.read(16 << 20):
+            pass
+
+
+def compute_speed(path: str | os.PathLike, n_threads: int, n_tokens: int = 24) -> float:
+    """Decode tok/s with all weights in memory: the compute-bound ceiling."""
+    from flexoffload.runtime import engine
+
+    warm_page_cache(path)
+    settings = engine.Settings(n_ctx=512, n_threads=n_threads, temp=0.0)
+    with engine.Engine(path, settings) as eng:
+        eng.generate("def main():", 4)  # warm up the graph and thread pool
+        return eng.generate("def main():", n_tokens).decode_tok_s
+
+
+def _cache_path(model: Model, n_threads: int) -> Path:
+    # v2: the disk read as the runtime reads it (pass_requests), not one cold sequential read; v3: into huge pages;
+    # v4: a tied output's matmul counted in the calibration
+    return cache_dir() / "profiles" / f"{file_key(model.path)}-t{n_threads}-v4.json"
+
+
+# Reads that show a sustained bandwidth: at least this many bytes, all with O_DIRECT (a small model's few reads say
+# more about latency; buffered ones may come from the page cache)
+SUSTAINED_BYTES = 256 << 20
+
+
+def _best_path(path) -> Path | None:
+    try:
+        return cache_dir() / "profiles" / f"disk-best-{os.stat(path).st_dev}.json"  # one a device
+    except OSError:
+        return None
+
+
+def best_disk_bw(path) -> float:
+    """The best sustained read bandwidth the device holding path has shown (0 if none is known)."""
+    best = _best_path(path)
+    try:
+        return float(json.loads(best.read_text())["bytes_per_s"]) if best else 0.0
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0.0
+
+
+def record_disk_bw(path, bytes_per_s: float, source: str) -> None:
+    """Remember bytes_per_s if it is the best the device holding path has shown: a profile's pass, or a streamed
+    run's bytes over its time. The roofline is computed from it: a ceiling must not sit below what a run reached,
+    and this disk drifts between about 0.8 and 2.2 GB/s, so a median is no ceiling."""
+    best = _best_path(path)
+    if best is None or bytes_per_s <= best_disk_bw(path):
+        return
+    write_atomic(best, json.dumps({"bytes_per_s": bytes_per_s, "source": source, "file": str(path)}))
+
+
+# The disk as streamed runs have met it: this disk drifts between about 0.8 and 2.2 GB/s over minutes, so one
+# profile's few passes can sit far from what later runs see (measured: a profile's passes at 2.95 GB/s, runs at
+# 0.8x streaming at 1.9-2.1 GB/s, and the plan predicting 10.99 tok/s for a run that made 7.7). A run counts when
+# its compute waited on reads for at least IO_BOUND_SHARE of its time: then its bytes over its time are the disk's
+# pace, not compute's. The last SEEN_KEEP such runs are kept per device.
+IO_BOUND_SHARE = 0.2
+SEEN_KEEP = 15
+
+
+def _seen_path(path) -> Path | None:
+    try:
+        return cache_dir() / "profiles" / f"disk-seen-{os.stat(path).st_dev}.json"
+    except OSError:
+        return None
+
+
+def seen_disk_bw(path) -> list[float]:
+    """The read bandwidths (bytes/s) of the last streamed runs on the device holding path the disk set the pace
+    of, oldest first."""
+    seen = _seen_path(path)
+    try:
+        return [float(x) for x in json.loads(seen.read_text())["bytes_per_s"]] if seen else []
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+
+
+def record_run(path, timings: dict, typical: bool = True) -> None:
+    """What a streamed run's O_DIRECT reads say of the disk holding path (timings: engine.stream_timings'): its
+    bytes over its time raise the best (the roofline's ceiling), and where the disk set the pace, they join the
+    runs plans predict with (typical_disk_bw) unless typical is False: a speculative run's disk also waits while
+    the draft drafts, and a run that does not read ahead (window 0) waits on each read in turn, so their bytes over
+    their time say less than the disk can."""
+    if timings.get("stream_bytes_read", 0) < SUSTAINED_BYTES or timings["stream_direct"] != timings["stream_reads"]:
+        return
+    bytes_per_s = timings["stream_read_gb_s"] * 1e9
+    record_disk_bw(path, bytes_per_s, "run")
+    elapsed = timings["stream_bytes_read"] / bytes_per_s
+    seen = _seen_path(path)
+    if not typical or seen is None or timings["stream_stall_s"] < IO_BOUND_SHARE * elapsed:
+        return
+    recent = (seen_disk_bw(path) + [bytes_per_s])[-SEEN_KEEP:]
+    write_atomic(seen, json.dumps({"bytes_per_s": recent, "file": str(path)}))
+
+
+def typical_disk_bw(path, measured: float) -> float:
+    """The bandwidth to plan with: the median of a profile's measure and the recent runs the disk paced."""
+    return statistics.median([measured, *seen_disk_bw(path)])
+
+
+def measure(model: Model, n_threads: int, remeasure: bool = False) -> Profile:
+    """The machine's profile for this model, measured once and cached; its disk bandwidth the typical one, the
+    profile's passes and the streamed runs since (typical_disk_bw)."""
+    profile = as_measured(model, n_threads, remeasure)
+    return replace(profile, disk_bw=typical_disk_bw(model.path, profile.disk_bw),
+                   peak_disk_bw=best_disk_bw(model.path))
+
+
+def as_measured(model: Model, n_threads: int, remeasure: bool = False) -> Profile:
+    """The profile as its own passes measured it (cached): measure without the runs since."""
+    cached = _cache_path(model, n_threads)
+    if cached.exists() and not remeasure:
+        d = json.loads(cached.read_text())
+        return Profile.from_dict(d)
+    disk = disk_speed(model)
+    if disk.direct and sum(n for _, n in pass_requests(model, 768 << 20)) >= SUSTAINED_BYTES:
+        record_disk_bw(model.path, max(disk.passes), "profile")
+    tok_s = compute_speed(model.path, n_threads)
+    profile = Profile.calibrated(model, tok_s=tok_s, disk_bw=disk.bandwidth, io_latency=disk.latency)
+    write_atomic(cached, json.dumps(profile.to_dict(), indent=1))
+    return profile

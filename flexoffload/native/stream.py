@@ -1,0 +1,159 @@
+"""ctypes bindings for the streaming runtime's C API (include/llama-stream.h, patches 0002-0008, 0014) and
+llama_set_n_ubatch (include/llama-ubatch.h, 0015).
+
+The patched libllama streams the tensors given the STREAMED buffer type: I/O threads read the next
+`window` layers' tensors while the current layer computes, and give each tensor's memory back after use.
+A tensor larger than the chunk size (the output matrix) is read in row chunks, each given back as soon as its
+part of the matrix multiplication is done (patch 0007), so it never needs memory as big as itself.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+from flexoffload import FlexoffloadError
+from flexoffload.defaults import CHUNK_BYTES
+from flexoffload.native import llama_cpp
+
+
+class StreamParams(ctypes.Structure):
+    _fields_ = [("window", ctypes.c_int32), ("n_io_threads", ctypes.c_int32), ("direct_io", ctypes.c_bool),
+                ("verbose", ctypes.c_bool), ("chunk_bytes", ctypes.c_int64)]
+
+
+class StreamStats(ctypes.Structure):
+    _fields_ = [
+        ("n_reads", ctypes.c_uint64), ("bytes_read", ctypes.c_uint64), ("n_direct", ctypes.c_uint64),
+        ("n_buffered", ctypes.c_uint64), ("t_read_s", ctypes.c_double), ("t_stall_s", ctypes.c_double),
+        ("n_stalls", ctypes.c_uint64), ("n_uses", ctypes.c_uint64), ("n_rereads", ctypes.c_uint64),
+        ("n_passes", ctypes.c_uint64), ("bytes_committed", ctypes.c_int64), ("bytes_committed_peak", ctypes.c_int64),
+        ("n_tensors", ctypes.c_uint64), ("bytes_streamed", ctypes.c_uint64),
+    ]
+
+
+class LayerStats(ctypes.Structure):
+    _fields_ = [("n_reads", ctypes.c_uint64), ("bytes_read", ctypes.c_uint64), ("t_read_s", ctypes.c_double),
+                ("t_stall_s", ctypes.c_double), ("t_wall_s", ctypes.c_double)]
+
+
+_api = None
+
+
+def api():
+    """The bound functions of llama-stream.h, from the libllama the bindings loaded."""
+    global _api
+    if _api is None:
+        llama_cpp()  # loads libllama from our build
+        from llama_cpp.llama_cpp import _lib as lib
+        try:
+            f = lib.llama_stream_buffer_type
+        except AttributeError:
+            raise FlexoffloadError("this libllama has no streaming runtime: run `make setup` to rebuild it") from None
+        f.restype, f.argtypes = ctypes.c_void_p, []
+        lib.llama_stream_default_params.restype = StreamParams
+        lib.llama_stream_get_params.restype, lib.llama_stream_get_params.argtypes = ctypes.c_bool, [ctypes.POINTER(StreamParams)]
+        lib.llama_stream_set_params.restype, lib.llama_stream_set_params.argtypes = ctypes.c_bool, [ctypes.POINTER(StreamParams)]
+        lib.llama_stream_get_stats.restype, lib.llama_stream_get_stats.argtypes = ctypes.c_bool, [ctypes.POINTER(StreamStats)]
+        lib.llama_stream_n_layers.restype = ctypes.c_int32
+        lib.llama_stream_get_layer_stats.restype = ctypes.c_bool
+        lib.llama_stream_get_layer_stats.argtypes = [ctypes.c_int32, ctypes.POINTER(LayerStats)]
+        lib.llama_stream_get_model_stats.restype = ctypes.c_bool
+        lib.llama_stream_get_model_stats.argtypes = [ctypes.c_void_p, ctypes.POINTER(StreamStats)]
+        lib.llama_stream_get_model_layer_stats.restype = ctypes.c_bool
+        lib.llama_stream_get_model_layer_stats.argtypes = [ctypes.c_void_p, ctypes.c_int32, ctypes.POINTER(LayerStats)]
+        lib.llama_stream_reset_stats.restype, lib.llama_stream_reset_stats.argtypes = None, []
+        lib.llama_stream_get_error.restype, lib.llama_stream_get_error.argtypes = ctypes.c_char_p, []
+        lib.llama_stream_make_resident.restype = ctypes.c_bool
+        lib.llama_stream_make_resident.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
+        lib.llama_set_n_ubatch.restype, lib.llama_set_n_ubatch.argtypes = ctypes.c_uint32, [ctypes.c_void_p, ctypes.c_uint32]
+        _api = lib
+    return _api
+
+
+def buffer_type() -> int:
+    buft = api().llama_stream_buffer_type()
+    if not buft:
+        raise FlexoffloadError("streaming is not supported by this build")
+    return buft
+
+
+def configure(window: int, io_threads: int, direct_io: bool = True, chunk_bytes: int = CHUNK_BYTES) -> None:
+    """Set the runtime's parameters. chunk_bytes: tensors larger than this are read in row chunks of at most this
+    many bytes (0: whole); it applies to the models loaded afterwards."""
+    if chunk_bytes < 0:
+        raise FlexoffloadError(f"the chunk size must be >= 0, not {chunk_bytes}")
+    p = api().llama_stream_default_params()
+    p.window, p.n_io_threads, p.direct_io, p.chunk_bytes = window, io_threads, direct_io, chunk_bytes
+    if not api().llama_stream_set_params(ctypes.byref(p)):
+        raise FlexoffloadError("streaming is not supported by this build")
+
+
+def params() -> StreamParams:
+    """The runtime's current parameters."""
+    p = StreamParams()
+    api().llama_stream_get_params(ctypes.byref(p))
+    return p
+
+
+@dataclass
+class Stats:
+    bytes_read: int
+    n_reads: int
+    n_direct: int
+    t_read_s: float
+    t_stall_s: float
+    n_passes: int
+    n_rereads: int
+    bytes_committed_peak: int
+    layer_stall_s: list[float]
+
+
+def stats(model=None, layers: bool = True) -> Stats:
+    """The runtime's statistics since the last reset: of one model's streamed tensors (model: its llama_model
+    pointer; a draft's reads are not its target's), or of the whole process (None). layers False: without the
+    per-layer stalls (a call per layer; speculation reads the totals every target pass)."""
+    lib, s = api(), StreamStats()
+    if model is None:
+        lib.llama_stream_get_stats(ctypes.byref(s))
+    else:
+        lib.llama_stream_get_model_stats(model, ctypes.byref(s))
+    layer_stall_s = []
+    for il in range(lib.llama_stream_n_layers() if layers else 0):
+        ls = LayerStats()
+        if model is None:
+            lib.llama_stream_get_layer_stats(il, ctypes.byref(ls))
+        else:
+            lib.llama_stream_get_model_layer_stats(model, il, ctypes.byref(ls))
+        layer_stall_s.append(ls.t_stall_s)
+    return Stats(bytes_read=s.bytes_read, n_reads=s.n_reads, n_direct=s.n_direct, t_read_s=s.t_read_s,
+                 t_stall_s=s.t_stall_s, n_passes=s.n_passes, n_rereads=s.n_rereads,
+                 bytes_committed_peak=s.bytes_committed_peak, layer_stall_s=layer_stall_s)
+
+
+def make_resident(model, names) -> int:
+    """Stop streaming the model's tensors of these names (model: its llama_model pointer): each is read once into
+    its own memory and computed from there on. Between llama_decode calls. Returns the number made resident (a name
+    not streamed is skipped)."""
+    lib = api()
+    return sum(bool(lib.llama_stream_make_resident(model, name.encode())) for name in names)
+
+
+def set_n_ubatch(ctx, n_ubatch: int) -> int:
+    """Set a context's ubatch; its compute buffers are freed and reserved for the new size at the next decode."""
+    return api().llama_set_n_ubatch(ctx, n_ubatch)
+
+
+def reset_stats() -> None:
+    """Zero the counters and forget a read error (the runtime reads again)."""
+    api().llama_stream_reset_stats()
+
+
+def error() -> str | None:
+    """The first read error since the last reset (tensor, offset, file, reason), None if none.
+
+    A streamed tensor that cannot be read does not end the process: the runtime records the error, hands
+    compute zeros and stops reading, so the llama_decode it happened in returns with meaningless outputs.
+    """
+    e = api().llama_stream_get_error()
+    return e.decode("utf-8", "replace") if e else None

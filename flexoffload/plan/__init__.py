@@ -1,0 +1,1 @@
+"""Planning over data (a Model, a Profile, a budget): the cost model, planners, placers, plan files."""

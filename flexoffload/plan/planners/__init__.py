@@ -1,0 +1,307 @@
+"""Planners: which tensors stay resident under a memory budget; every policy is judged by the one cost model.
+
+A policy is `plan(model, capacity, profile, window, io_threads) -> set of resident tensor names`. The capacity is
+the budget less KV cache, compute buffers and runtime overhead: the memory for weights, which holds the resident
+tensors and the prefetch window's buffers for the streamed ones. The window's size depends on what streams (the
+most streamed bytes of window+1 consecutive stages), so each policy pays for its own: a `Ledger` keeps resident
+bytes + window <= capacity exactly as tensors are added. A lumpy plan (whole layers streamed) needs a bigger
+window than an even one, and that memory is not there for resident tensors: part of what balance buys.
+
+Rules shared by all policies (`base`):
+- Small tensors (norms, biases, anything under SMALL_BYTES) are always resident: together they are about 1% of a
+  model, and streaming each would cost a read request per token for almost no bytes (HyperGen's size-aware
+  caching). A capacity below them and the window of streaming all else is an error (see `minimum_budget`).
+- The tensors outside the layers (token_embd, output) stay resident unless the capacity cannot hold them. The
+  output matrix is one large lump in the pipeline whose read cannot be spread over layers. It used to need a
+  window buffer as big as itself (183 MiB on the 1.5B), which set the minimum budget; the runtime now reads a
+  tensor larger than defaults.CHUNK_BYTES in row chunks and gives each back after use (patch 0007), so a streamed
+  output holds only CHUNKS_IN_FLIGHT chunks of window (costmodel.held_bytes: 32 MiB) and streaming it frees nearly
+  all its bytes. `balanced` therefore also tries it streamed whenever anything streams (the baselines keep the
+  shared rule). When one must give way, token_embd streams first: the runtime reads only the rows a pass looks up
+  (get_rows: a row per decoded token, into the pages of a few rows; costmodel.reads_rows), so it costs almost no
+  memory and one small read a token. That makes streaming it worth it whenever anything streams: `balanced` weighs
+  that too. A token_embd the output is tied to (no output.weight) is both: streamed, a lookup reads its rows and
+  the output's matmul its row chunks (patches 0004, 0006, 0007), so it is weighed like an output matrix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Iterable
+
+from flexoffload import FlexoffloadError
+from flexoffload.memory.budget import format_size
+from flexoffload.memory.footprint import Footprint, costs, smallest_budget
+from flexoffload.plan.costmodel import Pipeline, Profile, roofline, rows_memory, window_bytes_of
+from flexoffload.defaults import IO_THREADS, SMALL_BYTES
+from flexoffload.gguf.model import Model, Tensor
+from flexoffload.plan.plan import Memory, Plan
+
+AUTO_WINDOWS = (0, 1, 2, 3, 4)  # prefetch windows make_plan chooses among (FlexInfer's default is 3)
+ATTENTION = ("attn_q", "attn_k", "attn_v", "attn_output")
+FFN = ("ffn_gate", "ffn_up", "ffn_down")
+
+Planner = Callable[[Model, int, Profile, int, int], set[str]]
+
+
+def is_small(t: Tensor) -> bool:
+    return t.kind in ("norm", "bias") or t.n_bytes < SMALL_BYTES
+
+
+def always_resident(model: Model) -> set[str]:
+    """The small tensors."""
+    return {t.name for t in model.tensors if is_small(t)}
+
+
+def memory_for(model: Model, resident: Collection[str], window: int) -> int:
+    """Memory for weights a resident set takes: its bytes and the window its streamed tensors need."""
+    return sum(t.n_bytes for t in model.tensors if t.name in resident) + Pipeline(model).window_bytes(resident, window)
+
+
+class Ledger:
+    """A resident set being built, within a capacity for its bytes plus its window.
+
+    Only layer tensors are added (the stages are then fixed). Making a tensor resident never grows the window while
+    its stage still streams, so what fits with the window as last computed fits; it is recomputed only when that is
+    not enough. A stage that stops streaming leaves the runtime's ring, and the window then reaches one stage
+    further: that can grow it, so it is recomputed at once.
+    """
+
+    def __init__(self, model: Model, resident: set[str], capacity: int, window: int):
+        pipe = Pipeline(model)
+        stages = pipe.stages(resident)
+        index = {s.name: i for i, s in enumerate(stages)}
+        self.stage = {t.name: index[f"blk.{t.layer}"] for t in model.tensors if t.layer is not None}
+        self.held = pipe.held  # read buffers a streamed tensor holds (a chunked one: a few chunks)
+        self.streamed = [s.held_bytes for s in stages]  # per stage, what its streamed tensors hold
+        # stages in the runtime's ring that hold no read buffer (a row-read token_embd): fixed, as only layer
+        # tensors are added
+        self.rows_stages = {i for i, s in enumerate(stages) if s.n_streamed and not s.held_bytes}
+        self.resident = set(resident)
+        # resident bytes, and the pages of the rows a streamed token_embd reads (fixed: only layer tensors are added)
+        self.used = sum(t.n_bytes for t in model.tensors if t.name in resident) + pipe.rows_memory(resident)
+        self.capacity, self.window = capacity, window
+        self.window_bytes = self.window_of(self.streamed)  # an upper bound while not fresh
+        self._fresh, self._window_stages = True, None
+
+    def copy(self) -> "Ledger":
+        other = object.__new__(Ledger)
+        other.__dict__.update(self.__dict__, resident=set(self.resident), streamed=list(self.streamed))
+        return other
+
+    def fits(self, tensors: Iterable[Tensor]) -> bool:
+        """Whether all these (streamed layer) tensors can be made resident together."""
+        tensors = [t for t in tensors if t.name not in self.resident]
+        n_bytes = sum(t.n_bytes for t in tensors)
+        freed: dict[int, int] = {}  # stage -> read buffers it would no longer hold
+        for t in tensors:
+            freed[self.stage[t.name]] = freed.get(self.stage[t.name], 0) + self.held[t.name]
+        # a stage that stops streaming leaves the ring: the window may grow, so it is computed (only then: this is
+        # the planners' inner loop)
+        leaves = any(self.streamed[s] > 0 and self.streamed[s] - b <= 0 for s, b in freed.items())
+        if not leaves:
+            if self.used + n_bytes + self.window_bytes <= self.capacity:
+                return True
+            self._refresh()
+            if self.used + n_bytes + self.window_bytes <= self.capacity:
+                return True
+            if len(tensors) == 1 and self.stage[tensors[0].name] not in self.window_stages():
+                return False  # the window would not shrink
+        streamed = list(self.streamed)
+        for stage, b in freed.items():
+            streamed[stage] -= b
+        return self.used + n_bytes + self.window_of(streamed) <= self.capacity
+
+    def add(self, tensors: Iterable[Tensor]) -> None:
+        for t in tensors:
+            if t.name not in self.resident:
+                self.resident.add(t.name)
+                self.used += t.n_bytes
+                stage = self.stage[t.name]
+                self.streamed[stage] -= self.held[t.name]
+                self._fresh, self._window_stages = False, None
+                if not self.streamed[stage]:  # left the ring
+                    self._refresh()
+        if self.used + self.window_bytes > self.capacity:
+            self._refresh()
+            assert self.used + self.window_bytes <= self.capacity, "added tensors that do not fit"
+
+    def take(self, tensors: Iterable[Tensor]) -> "Ledger":
+        """Make tensors resident in the given order, each one that still fits (first fit)."""
+        for t in tensors:
+            if t.name not in self.resident and self.fits([t]):
+                self.add([t])
+        return self
+
+    def shrink(self, t: Tensor) -> int:
+        """How much making t resident would shrink the window (less than nothing if its stage leaves the ring)."""
+        self._refresh()
+        streamed = list(self.streamed)
+        streamed[self.stage[t.name]] -= self.held[t.name]
+        return self.window_bytes - self.window_of(streamed)
+
+    def window_stages(self) -> set[int]:
+        """The stages in every run of window+1 stages that sets the window: only a tensor there can shrink it."""
+        if self._window_stages is None:
+            ring = self._ring(self.streamed)
+            n, span = len(ring), self.window + 1
+            stages = set(ring)
+            if span < n:
+                runs = [sum(self.streamed[ring[(i + j) % n]] for j in range(span)) for i in range(n)]
+                top = max(runs)
+                for i, run in enumerate(runs):
+                    if run == top:
+                        stages &= {ring[(i + j) % n] for j in range(span)}
+            self._window_stages = stages
+        return self._window_stages
+
+    def _ring(self, streamed: list[int]) -> list[int]:
+        """The stages in the runtime's ring: those that stream (sched.cpp has a group only for those)."""
+        return [i for i, b in enumerate(streamed) if b > 0 or i in self.rows_stages]
+
+    def window_of(self, streamed: list[int]) -> int:
+        return window_bytes_of([streamed[i] for i in self._ring(streamed)], self.window)
+
+    def _refresh(self) -> None:
+        if not self._fresh:
+            self.window_bytes, self._fresh = self.window_of(self.streamed), True
+
+
+def base(model: Model, capacity: int, window: int) -> Ledger:
+    """The ledger every policy starts from: small tensors, then output and token_embd, each if it fits with
+    everything else streamed (output first: token_embd streams first)."""
+    resident = always_resident(model)
+    need = memory_for(model, resident, window)
+    if need > capacity:
+        raise FlexoffloadError(f"{format_size(capacity)} for weights is below the {format_size(need)} that the small "
+                               f"tensors and a window of {window} over everything else streamed need")
+    outside = [t for t in model.tensors if t.layer is None and t.name not in resident]
+    outside.sort(key=lambda t: (t.kind == "token_embd", -t.n_bytes))  # output and any others, token_embd last
+    for t in outside:
+        if memory_for(model, resident | {t.name}, window) <= capacity:
+            resident.add(t.name)
+    return Ledger(model, resident, capacity, window)
+
+
+def layer_pool(model: Model, resident: Iterable[str]) -> list[Tensor]:
+    """The layer tensors a policy chooses among: those not already resident, in file order."""
+    resident = set(resident)
+    return [t for t in model.tensors if t.layer is not None and t.name not in resident]
+
+
+def by_kind(pool: Iterable[Tensor], kinds: Iterable[str]) -> list[list[Tensor]]:
+    """The pool's tensors of each kind (layers ascending), the kinds smallest total first (ties in llama order):
+    with GQA the small K and V come before Q and output, as FlexInfer prefers."""
+    pool = sorted(pool, key=lambda t: t.layer)  # files may list layers as 0, 1, 10, 11, …
+    groups = [[t for t in pool if t.kind == k] for k in kinds]
+    groups = [g for g in groups if g]
+    return sorted(groups, key=lambda g: sum(t.n_bytes for t in g))
+
+
+def minimum_budget(model: Model, window: int | None = None, kv_cache: int = 0, compute: int = 0,
+                   overhead: int = 0, code: int = 0) -> int:
+    """The smallest budget that runs: everything streamable streamed, small tensors resident, the window's
+    buffers, KV cache, compute buffers, overhead and code (window None: the least over AUTO_WINDOWS, i.e. window 0).
+    Streaming a tensor moves its bytes to the window at most (a chunked one: a few chunks), so no plan needs less."""
+    windows = AUTO_WINDOWS if window is None else (window,)
+    small = always_resident(model)
+    return min(memory_for(model, small, w) for w in windows) + kv_cache + compute + overhead + code
+
+
+def make_plan(model: Model, budget: int, policy: str, profile: Profile, window: int | None = None,
+              io_threads: int = IO_THREADS, kv_cache: int = 0, compute: int = 0, overhead: int = 0,
+              code: int = 0) -> Plan:
+    """Plan a whole-process budget: resident weights + window + KV cache + compute buffers + overhead + code.
+
+    window None: the one of AUTO_WINDOWS the cost model predicts fastest for this policy and budget. A deeper
+    window overlaps more but its buffers take memory from resident tensors: while the disk is the bottleneck one
+    layer read ahead (1) keeps it busy, and more only costs memory; near the compute/disk balance 2-3 win.
+    """
+    if policy not in POLICIES:
+        raise FlexoffloadError(f"unknown policy {policy!r}: one of {', '.join(POLICIES)}")
+    windows = AUTO_WINDOWS if window is None else (window,)
+    refuse_below(model, budget, min(minimum_budget(model, w, kv_cache, compute, overhead, code) for w in windows),
+                 min(windows))
+    capacity = budget - kv_cache - compute - overhead - code
+    pipe = Pipeline(model, profile, io_threads)
+    best = None
+    for w in windows:
+        if budget >= minimum_budget(model, w, kv_cache, compute, overhead, code):
+            resident = POLICIES[policy](model, capacity, profile, w, io_threads)
+            seconds = pipe.seconds(resident, w)
+            if best is None or seconds < best[0]:
+                best = seconds, w, resident
+    seconds, window, resident = best
+    memory = Memory(resident=sum(t.n_bytes for t in model.tensors if t.name in resident),
+                    window=pipe.window_bytes(resident, window), kv_cache=kv_cache, compute=compute,
+                    overhead=overhead, code=code)
+    return Plan(
+        model=str(model.path), policy=policy, budget=budget, memory=memory,
+        resident=tuple(t.name for t in model.tensors if t.name in resident),
+        streamed=tuple(t.name for t in model.tensors if t.name not in resident),
+        window=window, io_threads=io_threads,
+        predicted_tok_s=1.0 / seconds,
+        roofline_tok_s=roofline(model, ceiling(profile), capacity),
+        profile=profile,
+    )
+
+
+def refuse_below(model: Model, budget: int, need: int, window: int) -> None:
+    if budget < need:
+        raise FlexoffloadError(f"budget {format_size(budget)} is too small for {model.path.name} with window "
+                               f"{window}: the minimum is {format_size(need, up=True)}")
+
+
+def ceiling(profile: Profile) -> Profile:
+    """The profile with the best disk bandwidth this machine has shown for the model's device, for the roofline
+    (the plan itself is predicted with the profile's median: what to expect, not the best case)."""
+    from dataclasses import replace
+
+    return replace(profile, disk_bw=max(profile.disk_bw, profile.peak_disk_bw))
+
+
+def plan_budget(model: Model, budget: int, policy: str, profile: Profile, run: Footprint,
+                window: int | None = None, io_threads: int = IO_THREADS, draft: int = 0) -> Plan:
+    """make_plan with what a run takes beside the weights at its settings, run (the Footprint llama.cpp reports and
+    the probe measures: measure.footprint); draft is what a resident draft model takes (resident_bytes), counted
+    with the overhead."""
+    # the slack grows with the budget: the minimum is the smallest budget that holds its own
+    floor = smallest_budget(minimum_budget(model, window, **costs(run, draft)))
+    refuse_below(model, budget, floor, min(AUTO_WINDOWS) if window is None else window)
+    return make_plan(model, budget, policy, profile, window=window, io_threads=io_threads,
+                     **costs(run, draft, budget))
+
+
+def run_minimum(model: Model, run: Footprint) -> int:
+    """The smallest budget plan_budget accepts for a run whose footprint is run (window chosen freely)."""
+    return smallest_budget(minimum_budget(model, None, **costs(run)))
+
+
+def resident_bytes(model: Model, run: Footprint, by_rows=()) -> int:
+    """What a model kept in memory takes beside the runtime (a draft model): weights and its context (run: its
+    Footprint). by_rows: tensors it reads by rows instead (a streamed token_embd), which take the pages of a few
+    rows instead of themselves."""
+    by_rows = set(by_rows)
+    rows = [t for t in model.tensors if t.name in by_rows]
+    weights = model.weight_bytes - sum(t.n_bytes for t in rows) + sum(rows_memory(t) for t in rows)
+    return weights + run.total
+
+
+def stream_all(model: Model, capacity: int, profile: Profile, window: int, io_threads: int) -> set[str]:
+    """No preservation: only the small tensors stay resident (FlexInfer's "Prefetch only" and "Sync Read")."""
+    return always_resident(model)
+
+
+# The registry, imported last: the policy modules use the helpers above.
+from flexoffload.plan.planners import balanced
+from flexoffload.plan.planners import flexinfer
+from flexoffload.plan.planners import kind_first
+from flexoffload.plan.planners import layer  # noqa: E402
+
+POLICIES: dict[str, Planner] = {
+    "balanced": balanced.plan,
+    "flexinfer": flexinfer.plan,
+    "attn-first": kind_first.attn_first,
+    "ffn-first": kind_first.ffn_first,
+    "layer": layer.plan,
+    "none": stream_all,
+}

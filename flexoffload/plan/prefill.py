@@ -1,0 +1,78 @@
+"""Step-aware prefill: the ubatch a long prompt is computed in, chosen under the budget (HyperGen, issue 16).
+
+A prefill of L tokens in ubatches of u makes ceil(L/u) forward passes, and every pass reads every streamed tensor
+once; a larger u pays the disk fewer times and computes more efficiently (a matrix multiplication over more rows
+reuses each weight it reads), but its compute buffer (stepmem) takes memory from the resident weights for the whole
+run, so decode streams more. So the choice is the u minimizing the run's predicted time: time to first token plus
+the tokens to generate at the plan's decode speed.
+
+When decode starts, the context's ubatch becomes DECODE_UBATCH (patch 0015 sizes the compute buffers again, and
+their memory comes back) and the streamed tensors that memory holds become resident, each read once (0013, 0014):
+`after_prefill` chooses them (measure/prefill.py's `choose` picks the ubatch), so decode runs at a plan for its own buffers, not the prefill's.
+
+The time to first token is predicted per pass as its compute (measured: measure/prefill.py's `rates`, a ubatch's pass with every weight
+in memory, by u) plus its reads of the streamed tensors (`pass_seconds`: measured, the two do not overlap in a
+prefill). Attention's growth with the cells already filled, and its cost per KV type, are not modelled: the
+prediction is close at 2048 tokens, 2.3x short at 8192 and 12x at 16384 with a q8_0 cache
+(results/hypergen_qwen1.5b_ttft.csv). That cost does not depend on the ubatch, so the choice stands.
+"""
+
+from __future__ import annotations
+
+from flexoffload.gguf.model import Model
+from flexoffload.plan.costmodel import Profile
+from flexoffload.plan.plan import Plan, streamed_bytes
+
+DECODE_UBATCH = 1  # tokens a decode pass computes: one (this engine decodes a token at a time after the prompt)
+
+
+def after_prefill(model: Model, plan: Plan, room: int, profile: Profile) -> tuple[tuple[str, ...], float]:
+    """The streamed tensors to make resident when decode starts, and decode's predicted tok/s with them.
+
+    room is the memory the compute buffers give back going from the prefill's ubatch to DECODE_UBATCH (llama.cpp's
+    dry run of both: measure.stepmem.room; the CPU work buffer and the logits are kept, so not counted). It goes first to the layer that
+    streams the most, the largest of its tensors that fits, and so on (a balanced pipeline: decode waits on its
+    slowest layer). A tensor only looked up by rows (token_embd) costs decode a few rows: it stays streamed. The
+    read pool keeps its size (it never shrinks), so the window's memory is unchanged."""
+    from flexoffload.plan.costmodel import looked_up_only, predict
+
+    if room <= 0 or not plan.streamed:
+        return (), plan.predicted_tok_s
+    by_name = {t.name: t for t in model.tensors}
+    left = [by_name[n] for n in plan.streamed if not looked_up_only(model, by_name[n])]
+    load = {}  # streamed bytes left per layer
+    for t in left:
+        load[t.layer] = load.get(t.layer, 0) + t.n_bytes
+    chosen = []
+    while True:
+        fits = [t for t in left if t.n_bytes <= room]
+        if not fits:
+            break
+        pick = max(fits, key=lambda t: (load[t.layer], t.n_bytes))
+        chosen.append(pick.name)
+        room -= pick.n_bytes
+        load[pick.layer] -= pick.n_bytes
+        left.remove(pick)
+    if not chosen:
+        return (), plan.predicted_tok_s
+    tok_s = predict(model, set(plan.resident) | set(chosen), profile, plan.window, plan.io_threads).tok_s
+    return tuple(chosen), tok_s
+
+
+def pass_seconds(model: Model, plan: Plan, n_tokens: int, profile: Profile, rate: dict[int, float]) -> float:
+    """A prefill pass of n_tokens under the plan: its compute (measured with every weight in memory) plus its reads
+    of the streamed tensors. Not overlapped: measured at 0.3x and 0.5x on the 1.5B, prefill passes took about
+    their compute plus their reads whatever the window (results/prefill_chosen_qwen1.5b.csv), where decode's reads
+    hide behind its compute; why is still open. A pipeline simulation with the window predicted 1.5-2x too fast."""
+    u = min((x for x in rate if x >= n_tokens), default=max(rate))
+    compute = rate[u] * n_tokens / u
+    return compute + streamed_bytes(plan, model) / profile.disk_bw
+
+
+def ttft(model: Model, plan: Plan, n_prompt: int, n_ubatch: int, profile: Profile, rate: dict[int, float]) -> float:
+    """Predicted seconds to the first token: the passes of full ubatches, then the rest."""
+    full, rest = divmod(n_prompt, n_ubatch)
+    seconds = full * pass_seconds(model, plan, n_ubatch, profile, rate)
+    if rest:
+        seconds += pass_seconds(model, plan, rest, profile, rate)
+    return seconds

@@ -1,0 +1,1 @@
+"""Prompt sets for benchmarks and calibration: HumanEval and plain-language prompts."""
