@@ -28,7 +28,9 @@ models: setup
 run: models
 	$(VENV)/bin/flexoffload run --mem $(MEM) --enforce -n 96 --temp 0 -p "$$(printf '$(PROMPT)')"
 
+# the layers contract first (pyproject.toml: a module imports only from the layers below its own), then the tests
 test: models
+	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q
 
 # llama.cpp's own tests (ctest) on the patched tree, network tests excluded (CI runs it after `make test`)
@@ -36,6 +38,7 @@ upstream-test: setup
 	scripts/upstream_tests
 
 test-fast: setup
+	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q -m "not integration"
 
 bench: models

@@ -1,19 +1,23 @@
-"""The Python API: generate under a memory budget, with or without a draft model. The CLI, `bench` and the scripts
-call it; nothing here prints.
+"""The Python API: the one place that wires measurement, planning and the runtime. The CLI, `bench` and the
+scripts call it; nothing here prints.
 
     from flexoffload import api
 
-    request = api.Request(model="qwen2.5-coder-1.5b-instruct", prompt="def fib(n):", n_predict=32, temp=0, mem="0.5x")
-    result = api.generate(request, on_text=lambda s: print(s, end=""))   # in this process
-    result = api.generate(request, enforce=True)   # in a child process the kernel holds to the budget
-    print(result["decode_tok_s"], result["peak_mem_mb"])
+    model = api.load("qwen2.5-coder-1.5b-instruct")                 # a catalog name or a GGUF path
+    plan = api.plan(model, api.Budget(mem="0.5x"))                  # a Plan: read it, edit it, plan.write(DIR)
+    result = api.generate(model, "def fib(n):", api.Generation(n_predict=32, temp=0), plan=plan)
+    print(result["text"], result["decode_tok_s"], result["peak_mem_mb"])
 
-`prepare` does what comes before loading: resolve the model, read the budget, plan, and decide whether a draft
-pays; `generate` prepares and runs. An enforced run is a fresh process (`python -m flexoffload.api`) started in a
-child memory cgroup of the budget: it receives the prepared request (the strategy and the draft decided) as JSON
-and writes its result as JSON.
+The arguments come by concern: what to generate (Generation), the budget and how weights reach memory (Budget), a
+resident draft model (Draft), RPC servers (Placement), lowered precision (Precision). `generate(..., enforce=True)`
+runs in a child process the kernel holds to the budget.
+
+Underneath, one flat Request carries all of them: `prepare` does what comes before loading (resolve the model, read
+the budget, plan, decide whether a draft pays), `run_prepared` loads and generates. An enforced run is a fresh
+process (`python -m flexoffload.api`) started in a child memory cgroup of the budget: it receives the prepared
+request (the strategy and the draft decided) as JSON and writes its result as JSON. `generate(Request)` is the
+older form and still works.
 """
-
 from __future__ import annotations
 
 import json
@@ -36,7 +40,8 @@ from flexoffload.defaults import IO_THREADS, STRATEGIES, WINDOW
 
 @dataclass
 class Request:
-    """One generation: the model, the prompt, llama.cpp's settings, the budget and how weights reach memory."""
+    """One generation, flat: the model, the prompt, and every concern's settings (see `request`); the form an
+    enforced run's child receives as JSON."""
     model: str | None = None  # a GGUF path or a catalog name (None: the default model)
     prompt: str = ""
     n_predict: int = 128  # -1: until end of text
@@ -74,6 +79,85 @@ class Request:
     original: str | None = None  # with precision: the model's F16/BF16 weights, quantized from (not requantizing)
     tuned: bool = True  # stream by a plan --tune made for this model, budget and machine, where there is one
     verbose: bool = False
+
+
+@dataclass(frozen=True)
+class Generation:
+    """What to generate and llama.cpp's context for it (-n, --temp, --seed, -c, -b, -ub, -t, -fa, -ctk, -ctv)."""
+    n_predict: int = 128  # -1: until end of text
+    temp: float = 0.8  # 0: greedy
+    seed: int = -1  # -1: random
+    n_ctx: int = 2048
+    n_batch: int = 512
+    n_ubatch: int = 0  # 0: n_batch (under a budget, chosen for a long prompt)
+    n_threads: int = os.cpu_count() or 1
+    flash_attn: str = "auto"
+    cache_type_k: str = "f16"
+    cache_type_v: str = "f16"
+    verbose: bool = False
+
+
+@dataclass(frozen=True)
+class Budget:
+    """The memory budget and how weights reach memory (--mem, --strategy, --policy, --plan, --window, ...)."""
+    mem: str | None = None  # the whole process: 400M, 1.5G, 0.4x (of the model's size)
+    strategy: str | None = None  # None: stream with mem or a plan, mmap otherwise
+    policy: str = "balanced"
+    plan_dir: str | None = None  # stream by a saved plan
+    window: int | None = None  # None: the plan's
+    io_threads: int | None = None  # None: the plan's
+    tuned: bool = True  # stream by a plan --tune made for this model, budget and machine, where there is one
+    move_back: bool = True  # after the prompt, the compute buffers' memory goes to weights
+
+
+@dataclass(frozen=True)
+class Draft:
+    """A draft model kept resident for token-tree speculation (-md, --draft-max, --draft-p-split, --spec)."""
+    model: str
+    max: int | None = None  # the tree's node budget (None: from the cost model)
+    p_split: float = 0.3
+    spec: str = "tree"  # or "chain"
+    pacer: bool = True
+    adaptive: bool = True
+    adaptive_split: bool = True
+    pipeline: bool = False
+    always: bool = False  # speculate even where the target alone is predicted faster
+
+
+@dataclass(frozen=True)
+class Placement:
+    """RPC servers to place weights on (--rpc, -ngl, --placement); per-device budgets go in Budget.mem."""
+    rpc: str | None = None  # HOST:PORT,...
+    n_gpu_layers: int = 0
+    policy: str = "auto"
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Lowered precision under the budget (--precision auto, --max-kld, --min-tok-s, --original)."""
+    mode: str | None = "auto"
+    max_kld: float | None = None
+    min_tok_s: float | None = None
+    original: str | None = None
+
+
+def request(model, prompt: str, generation: Generation = Generation(), budget: Budget = Budget(),
+            draft: Draft | None = None, placement: Placement = Placement(),
+            precision: Precision | None = None) -> Request:
+    """The flat Request the concerns make (model: a path, a catalog name, or a loaded Model)."""
+    g, b, p = generation, budget, placement
+    d = draft or Draft(model=None)
+    q = precision or Precision(mode=None)
+    return Request(model=str(getattr(model, "path", model)) if model is not None else None, prompt=prompt,
+                   n_predict=g.n_predict, n_ctx=g.n_ctx, n_batch=g.n_batch, n_threads=g.n_threads, temp=g.temp,
+                   seed=g.seed, mem=b.mem, strategy=b.strategy, policy=b.policy, plan_dir=b.plan_dir,
+                   window=b.window, io_threads=b.io_threads, draft=d.model, draft_max=d.max,
+                   draft_p_split=d.p_split, spec=d.spec, pacer=d.pacer, adaptive=d.adaptive,
+                   adaptive_split=d.adaptive_split, pipeline=d.pipeline, draft_always=d.always, rpc=p.rpc,
+                   n_gpu_layers=p.n_gpu_layers, placement=p.policy, n_ubatch=g.n_ubatch, flash_attn=g.flash_attn,
+                   cache_type_k=g.cache_type_k, cache_type_v=g.cache_type_v, move_back=b.move_back,
+                   precision=q.mode, max_kld=q.max_kld, min_tok_s=q.min_tok_s, original=q.original,
+                   tuned=b.tuned, verbose=g.verbose)
 
 
 @dataclass
@@ -409,6 +493,44 @@ def prepare(request: Request) -> Prepared:
     return prepared
 
 
+def load(model=None):
+    """The model's tensor table (gguf.model.Model), read without loading weights: a GGUF path or a catalog name
+    (None: the default model)."""
+    from flexoffload.gguf.model import load as read
+
+    return read(catalog.resolve(model))
+
+
+def plan(model, budget: Budget, generation: Generation = Generation(), draft: Draft | None = None,
+         placement: Placement = Placement(), precision: Precision | None = None, prompt: str = " "):
+    """The plan a run of model would stream by under the budget (plan.plan.Plan; None where it would not stream:
+    mmap, or everything resident), decided as generate decides it. Save it with plan.write(DIRECTORY) and give it
+    back to generate (plan=) or to `flexoffload run --plan DIRECTORY`."""
+    return prepare(request(model, prompt, generation, budget, draft, placement, precision)).plan
+
+
+def generate(model, prompt: str | None = None, generation: Generation = Generation(), budget: Budget = Budget(),
+             draft: Draft | None = None, placement: Placement = Placement(), precision: Precision | None = None,
+             plan=None, on_text=None, enforce: bool = False, echo=None, timeout: float | None = None,
+             cgroup_limit: int | None = None) -> dict:
+    """Generate from prompt with model under the budget; the result as a dict (text, tokens, decode_tok_s,
+    ttft_s, peak_mem_mb, the plan's prediction, ...). plan: a Plan to stream by (api.plan's, or plan.read's).
+    enforce: in a child process held to the budget by a memory cgroup (where none can be made, echo says so and
+    the run goes unenforced); cgroup_limit: the cgroup's limit instead of the budget. on_text: called with each
+    piece of text as it comes. echo: called with each line to tell the user (stderr).
+    generate(Request, ...) is the older form: one flat Request."""
+    if isinstance(model, Request):
+        return _generate(model, on_text, enforce, echo, timeout, cgroup_limit)
+    if plan is None:
+        r = request(model, prompt or "", generation, budget, draft, placement, precision)
+        return _generate(r, on_text, enforce, echo, timeout, cgroup_limit)
+    with tempfile.TemporaryDirectory(prefix="flexoffload-plan-") as directory:  # a run streams by a plan's files
+        plan.write(directory)
+        budget = replace(budget, plan_dir=directory)
+        r = request(model, prompt or "", generation, budget, draft, placement, precision)
+        return _generate(r, on_text, enforce, echo, timeout, cgroup_limit)
+
+
 def run_prepared(p: Prepared, on_text=None) -> dict:
     """Load and generate in this process; the result as a dict (engine.Result's fields and the run's context)."""
     from flexoffload.native import devices
@@ -496,12 +618,10 @@ def run_in_cgroup(p: Prepared, limit: int | None, stream_text: bool = False, tim
     return result
 
 
-def generate(request: Request, on_text=None, enforce: bool = False, echo=None, timeout: float | None = None,
-             cgroup_limit: int | None = None) -> dict:
-    """Prepare and run a request. enforce: in a child process held to the budget by a memory cgroup (where none can
-    be made, echo says so and the run goes unenforced); cgroup_limit: the cgroup's limit instead of the budget.
-    on_text: called with each piece of text as it comes (enforced: the child writes it to stdout if on_text is
-    given). echo: called with each line to tell the user (stderr)."""
+def _generate(request: Request, on_text=None, enforce: bool = False, echo=None, timeout: float | None = None,
+              cgroup_limit: int | None = None) -> dict:
+    """Prepare and run a request (generate's arguments; enforced, the child writes the text to stdout if on_text
+    is given)."""
     p = prepare(request)
     for note in p.notes:
         if echo:

@@ -75,6 +75,10 @@ class Plan:
     precision: dict | None = None  # plan --precision auto (mixed.py): the source file, the types changed, the
     # predicted and measured quality; `model` is then the requantized file
 
+    def write(self, directory: str | os.PathLike) -> Path:
+        """Write the plan's files (tensors.ot, plan.json) into directory: `run --plan DIRECTORY` streams by them."""
+        return write(self, directory)
+
     def to_dict(self) -> dict:
         d = asdict(self)
         d["memory"]["total"] = self.memory.total

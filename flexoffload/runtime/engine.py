@@ -182,6 +182,23 @@ def raise_memlock_limit() -> int:
     return soft
 
 
+def tokenize(lib, vocab, text: str, add_special: bool = True) -> list[int]:
+    """text's tokens in vocab, as llama.cpp tokenizes it (parse_special: the chat template's markers are tokens).
+    A text can have more tokens than bytes (a byte-fallback vocabulary spells a missing piece in its bytes' tokens:
+    a space without a lone "▁" is three): llama_tokenize then returns minus the count needed, asked again."""
+    data = text.encode("utf-8")
+    n_max = len(data) + 8
+    for _ in range(2):
+        buf = (lib.llama_token * n_max)()
+        n = lib.llama_tokenize(vocab, data, len(data), buf, n_max, add_special, True)
+        if n >= 0:
+            return list(buf[:n])
+        if -n <= n_max:
+            break
+        n_max = -n
+    raise FlexoffloadError("prompt could not be tokenized")
+
+
 def count_tokens(model_path: str, text: str) -> int:
     """The prompt's tokens as a run tokenizes it (special tokens added), from the model's vocabulary alone: a
     prompt too long for the context is refused before anything is loaded."""
@@ -193,15 +210,9 @@ def count_tokens(model_path: str, text: str) -> int:
     if not model:
         raise FlexoffloadError(f"llama.cpp could not read the vocabulary of {model_path}")
     try:
-        data = text.encode("utf-8")
-        n_max = len(data) + 8
-        buf = (lib.llama_token * n_max)()
-        n = lib.llama_tokenize(lib.llama_model_get_vocab(model), data, len(data), buf, n_max, True, True)
+        return len(tokenize(lib, lib.llama_model_get_vocab(model), text))
     finally:
         lib.llama_model_free(model)
-    if n < 0:
-        raise FlexoffloadError("prompt could not be tokenized")
-    return n
 
 
 FLASH_ATTN = {"auto": -1, "off": 0, "on": 1}  # enum llama_flash_attn_type
@@ -311,17 +322,7 @@ class Engine:
         self.close()
 
     def tokenize(self, text: str, add_special: bool = True) -> list[int]:
-        data = text.encode("utf-8")
-        n_max = len(data) + 8
-        buf = (self.lib.llama_token * n_max)()
-        n = self.lib.llama_tokenize(self.vocab, data, len(data), buf, n_max, add_special, True)
-        if n < 0 and -n > n_max:  # more tokens than bytes (byte fallback of a multi-byte piece): -n is the count
-            n_max = -n
-            buf = (self.lib.llama_token * n_max)()
-            n = self.lib.llama_tokenize(self.vocab, data, len(data), buf, n_max, add_special, True)
-        if n < 0:
-            raise FlexoffloadError("prompt could not be tokenized")
-        return list(buf[:n])
+        return tokenize(self.lib, self.vocab, text, add_special)
 
     def piece(self, token: int) -> bytes:
         buf = ctypes.create_string_buffer(256)
