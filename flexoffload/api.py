@@ -263,7 +263,10 @@ def plan_for_run(model, r: Request, limit: int | None, n_outputs: int = 1, n_seq
         return None
     if r.plan_dir:
         plan = plans.read(r.plan_dir)
-        plans.check_fits(plan, model, limit, r.plan_dir)
+        relative = r.mem and budgets.is_relative(r.mem)
+        source = Path(plan.precision["source"]) if plan.precision else model.path
+        of = f" (--mem {r.mem} of {source.name}, {format_size(source.stat().st_size)})" if relative else ""
+        plans.check_fits(plan, model, limit, r.plan_dir, of)
         return plan
     if r.rpc and r.mem and r.strategy == "stream":  # placed across the servers' devices, the host's share too
         from flexoffload.measure import placement
@@ -399,23 +402,29 @@ def prepare(request: Request) -> Prepared:
 
     Bad input is a FlexoffloadError here, before any cgroup is made or weight is read."""
     from flexoffload.gguf.model import load
+    from flexoffload.plan import plan as plans
 
     auto = request.strategy is None
     r = replace(request, strategy=request.strategy or ("stream" if request.mem or request.plan_dir else "mmap"))
     _check(r)
-    path = _plan_model(r) or catalog.resolve(r.model)
+    mixed = _plan_model(r)
+    path = mixed or catalog.resolve(r.model)
     r.model = str(path)
     model = load(path)
     n_prompt = _check_prompt_length(model, r)
+    # a relative budget (0.4x) is of the model the user named: a precision plan's source, not the file it runs
+    named = load(plans.read(r.plan_dir).precision["source"]) if mixed else model
     if r.rpc and r.mem and "=" in r.mem:  # per device: this machine's budget is cpu=
         from flexoffload.native import devices
         from flexoffload.plan import placers
 
-        limit = placers.parse_mem(r.mem, devices.parse_endpoints(r.rpc), model)[0]
+        limit = placers.parse_mem(r.mem, devices.parse_endpoints(r.rpc), named)[0]
     else:
-        limit = budgets.parse_size(r.mem, model.file_size) if r.mem else None
+        limit = budgets.parse_size(r.mem, named.file_size) if r.mem else None
     if r.precision:  # the mixed file and its plan, saved like plan -o writes them; the run streams by them
         r, model = _precision_plan(r, model, limit)
+        # decided: the plan is the request now, and a child run must not plan precision again
+        r = replace(r, precision=None, max_kld=None, min_tok_s=None, original=None)
     if r.rpc:  # llama.cpp aborts on a server it cannot reach: each is asked first, for a one-line error
         from flexoffload.native import devices
 

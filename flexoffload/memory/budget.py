@@ -44,6 +44,11 @@ def parse_size(text: str, model_size: int | None = None) -> int:
     return int(value)
 
 
+def is_relative(text: str) -> bool:
+    """Whether a --mem is a fraction of a model's size (0.4x)."""
+    return bool(_FRACTION.match(text))
+
+
 def format_size(n: int, up: bool = False) -> str:
     """n bytes in MiB, or GiB to 0.01; up: rounded up, so that a minimum given back as --mem is enough."""
     import math

@@ -209,8 +209,9 @@ def on_devices(plan: Plan, model) -> set[str]:
     return {n for n, d in where.items() if d != HOST}
 
 
-def check_fits(plan: Plan, model, budget: int | None, directory) -> None:
-    """Refuse a saved plan made for another model (its tensors or their sizes differ) or larger than the budget."""
+def check_fits(plan: Plan, model, budget: int | None, directory, of: str = "") -> None:
+    """Refuse a saved plan made for another model (its tensors or their sizes differ) or larger than the budget
+    (of: what the budget was given as, for the message)."""
     from flexoffload.memory.budget import format_size
 
     sizes = {t.name: t.n_bytes for t in model.tensors}
@@ -223,7 +224,7 @@ def check_fits(plan: Plan, model, budget: int | None, directory) -> None:
                                f"not {model.path.name}")
     if budget is not None and plan.memory.total > budget:
         raise FlexoffloadError(f"the plan in {directory} takes {format_size(plan.memory.total)}, more than the budget "
-                               f"of {format_size(budget)}")
+                               f"of {format_size(budget)}{of}")
 
 
 def read(directory: str | os.PathLike) -> Plan:
