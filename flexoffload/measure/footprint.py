@@ -32,9 +32,9 @@ from flexoffload.defaults import cache_dir, file_key, write_atomic
 from flexoffload.memory.budget import MiB
 from flexoffload.memory.footprint import Footprint
 
-# The probe's process is a run's: it loads what `flexoffload run` loads (the console script's module, by name, as
-# the console script itself does), so the runtime it measures is a run's.
-RUN_MODULE = "flexoffload.cli"
+# The probe's process is a run's: it loads what `flexoffload run` and an enforced run's child load (by name, as the
+# console script and `python -m` do), so the runtime it measures is a run's.
+RUN_MODULES = ("flexoffload.cli.run", "flexoffload.api")
 
 # "llama_kv_cache:        CPU KV buffer size =    28.00 MiB" (one line per cache: an ISWA model has two),
 # "llama_context:        CPU compute buffer size =    67.01 MiB", "llama_context:        CPU  output buffer size = ..."
@@ -99,7 +99,8 @@ def probe(model_path: str, n_ctx: int, n_batch: int, n_outputs: int, n_seq_max: 
     from flexoffload.memory.budget import status_bytes
     from flexoffload.runtime import engine
 
-    importlib.import_module(RUN_MODULE)
+    for name in RUN_MODULES:
+        importlib.import_module(name)
 
     lib = engine.llama_cpp()
     log = engine._Log(lib, verbose=False, keep=None)

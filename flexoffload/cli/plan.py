@@ -1,0 +1,230 @@
+"""`flexoffload plan`: which tensors stay resident under a budget (tensors.ot and plan.json); with --tune the best
+candidates measured, with --rpc a placement across devices, with --precision auto lower types chosen too, with
+--max-prompt or --prompt-len the longest prompt a budget holds."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import click
+
+from flexoffload import FlexoffloadError
+from flexoffload.cli.common import PLACEMENTS, _errors_as_one_line, _precision_options
+from flexoffload.gguf import models as catalog
+from flexoffload.memory import budget as budgets
+from flexoffload.memory.budget import MiB, format_size
+from flexoffload.runtime.engine import KV_TYPES
+
+
+def _plan_prompt(model, mem, max_prompt, prompt_len, n_predict, flash_attn, cache_types, as_json):
+    """`plan --max-prompt` and `plan --prompt-len L`: long prompts under a budget (memory/stepmem.py, as measured
+by measure/stepmem.py)."""
+    from flexoffload.measure import stepmem as measured
+    from flexoffload.memory import stepmem
+
+    budget = budgets.parse_size(mem, model.file_size)
+    if max_prompt:
+        if cache_types != ("f16", "f16") and flash_attn != "on":
+            raise FlexoffloadError("a quantized KV cache needs flash attention (-fa on)")
+        found = measured.max_prompt(model, budget, n_predict, flash_attn, *cache_types)
+        if as_json:
+            click.echo(json.dumps({"budget": budget, "longest": None if found is None else found.__dict__}))
+            return
+        if found is None:
+            least = measured.minimum(model, stepmem.Setting(stepmem.CELLS, min(stepmem.UBATCHES), flash_attn,
+                                                            *cache_types))
+            raise FlexoffloadError(f"{format_size(budget)} holds no prompt of {model.path.name}: the minimum is "
+                                   f"{format_size(least, up=True)}")
+        click.echo(f"{model.path.name} at {format_size(budget)}: prompts up to {found.n_prompt} tokens"
+                   f"{f' (and {n_predict} generated)' if n_predict else ''}, with a ubatch of {found.n_ubatch}: "
+                   f"KV cache {found.kv_cache / MiB:.0f} MiB, compute {found.compute / MiB:.0f} MiB, the run needs "
+                   f"{format_size(found.minimum, up=True)} (flash attention {flash_attn}, KV cache "
+                   f"{'/'.join(dict.fromkeys(cache_types))})")
+        return
+    if prompt_len < 1 or prompt_len > model.n_ctx_train:
+        raise FlexoffloadError(f"--prompt-len {prompt_len}: between 1 and the trained context, {model.n_ctx_train}")
+    n_ctx = stepmem.cells_for(prompt_len + n_predict)
+    rows = []
+    for u in stepmem.UBATCHES:
+        setting = stepmem.Setting(n_ctx, min(u, n_ctx), flash_attn, *cache_types)
+        costs = measured.run_costs(model, setting, budget)
+        rows.append({"n_ubatch": setting.n_ubatch, "passes": -(-prompt_len // setting.n_ubatch),
+                     "minimum": measured.minimum(model, setting, costs), "kv_cache": costs["kv_cache"],
+                     "compute": costs["compute"],
+                     "steps": stepmem.steps(model, setting.n_ubatch, n_ctx, flash_attn == "on")})
+    if as_json:
+        click.echo(json.dumps({"budget": budget, "n_ctx": n_ctx, "ubatches": rows}))
+        return
+    click.echo(f"{model.path.name}: a prefill of {prompt_len} tokens, {n_ctx} cells, flash attention {flash_attn}; "
+               f"MiB")
+    names = "  ".join(step["step"] for step in rows[0]["steps"])
+    click.echo(f"{'ubatch':>6} {'passes':>6} {'KV':>6} {'compute':>8} {'minimum':>8}  {names} (a layer's "
+               f"activations at each step's peak)")
+    for r in rows:
+        fits = "" if r["minimum"] <= budget else "  (over the budget)"
+        peaks = "  ".join(f"{x['peak'] / MiB:.1f}" for x in r["steps"])
+        click.echo(f"{r['n_ubatch']:>6} {r['passes']:>6} {r['kv_cache'] / MiB:>6.0f} {r['compute'] / MiB:>8.1f} "
+                   f"{r['minimum'] / MiB:>8.0f}  "
+                   f"{peaks}{fits}")
+
+
+def _plan_placement(model, rpc, mem, placement, profile, threads, n_ctx, n_batch, io_threads, out_dir, as_json):
+    """`plan --rpc`: weights placed across the servers' devices, the host's share planned under its budget."""
+    from flexoffload.measure.placement import for_endpoints
+    from flexoffload.native import devices
+    from flexoffload.plan import plan as plans
+
+    endpoints = devices.parse_endpoints(rpc)
+    for endpoint in endpoints:
+        devices.probe_rpc(endpoint)
+    p = for_endpoints(model, endpoints, mem, placement, profile, threads, n_ctx, n_batch, io_threads)
+    plans.write(p, out_dir)
+    if as_json:
+        click.echo(json.dumps(p.to_dict()))
+        return
+    at = p.placement
+    cost = at["cost"]
+    click.echo(f"{model.path.name}: {at['policy']} placement, written to {out_dir} (llama.cpp: "
+               f"{' '.join(at['llama_args'])} -ot tensors.ot)")
+    click.echo(f"  this machine: resident {p.memory.resident / MiB:.0f} MiB, streamed "
+               f"{plans.streamed_bytes(p, model) / MiB:.0f} MiB a token, {p.memory.total / MiB:.0f} of "
+               f"{p.budget / MiB:.0f} MiB; compute {cost['host_compute_s'] * 1e3:.1f} ms a token")
+    for d in at["per_device"]:
+        click.echo(f"  {d['name']}: {d['memory'] / MiB:.0f} of {d['budget'] / MiB:.0f} MiB; compute "
+                   f"{d['compute_s'] * 1e3:.1f} ms a token")
+    click.echo(f"  {cost['visits']} visit(s) to the devices a token, {cost['transfer_bytes'] / 1024:.0f} KiB over the "
+               f"links, {cost['transfer_s'] * 1e3:.1f} ms; predicted {p.predicted_tok_s:.2f} tok/s")
+
+
+def _plan_precision(model, budget, profile, ctx_size, batch_size, threads, io_threads, max_kld, min_tok_s, original,
+                    out_dir, as_json):
+    """plan --precision auto: precision and residency together (measure/mixed.py), the requantized file's quality
+    measured."""
+    from tqdm import tqdm
+
+    from flexoffload.measure import mixed
+    from flexoffload.plan import plan as plans
+
+    bar = tqdm(desc="precision", unit="group", file=sys.stderr, disable=None)
+
+    def on_row(row, done, total):
+        bar.total, bar.n = total, done
+        bar.set_postfix_str(f"{row.group} {row.type}")
+
+    p, walk = mixed.plan(model, budget, profile, ctx_size, batch_size, max_kld, min_tok_s, threads, io_threads,
+                         original=Path(original) if original else None, on_row=on_row)
+    bar.close()
+    plans.write(p, out_dir)
+    if as_json:
+        click.echo(json.dumps({**p.to_dict(), "walk": [
+            {"steps": len(x.steps), "kld": x.kld, "weight_bytes": x.weight_bytes,
+             "predicted_tok_s": x.predicted_tok_s} for x in walk.points]}))
+        return
+    r = p.precision
+    click.echo(f"{model.path.name}: {len(r['types'])} tensors lowered ({len(r['steps'])} steps), weights "
+               f"{format_size(r['source_weight_bytes'])} -> {format_size(r['weight_bytes'])}, written to {p.model}"
+               + (f" (quantized from {Path(original).name})" if original else ""))
+    click.echo(f"  predicted {p.predicted_tok_s:.2f} tok/s at {format_size(budget)} (the file's own types: "
+               f"{r['own_types_tok_s']:.2f}); KL divergence summed over the groups {r['predicted_kld']:.4f}")
+    if "measured" in r:
+        q = r["measured"]
+        click.echo(f"  measured: KL divergence {q['kld']:.4f} (calibration), {q['held_out_kld']:.4f} (held out); "
+                   f"held-out perplexity {q['held_out_ppl']:.3f} vs {q['held_out_ppl_base']:.3f}; UQEst "
+                   f"{q['uqest']:.3f} vs {q['uqest_base']:.3f}")
+    click.echo(f"  plan written to {out_dir}: run it with flexoffload run --plan {out_dir}")
+
+
+@click.command()
+@click.option("-m", "--model", "model_spec", metavar="MODEL", help=f"GGUF path or catalog name [default: {catalog.DEFAULT_MODEL}]")
+@click.option("--mem", required=True, help="memory budget for the whole process: 400M, 1.5G or 0.4x; with --rpc "
+                                           "also per device: cpu=600M,rpc0=700M")
+@click.option("--policy", default="balanced", show_default=True,
+              help="balanced, flexinfer, attn-first, ffn-first or layer")
+@click.option("--rpc", "rpc", metavar="HOST:PORT,...", help="RPC servers whose devices the plan places weights on")
+@click.option("--placement", type=click.Choice(PLACEMENTS), default="auto", show_default=True,
+              help="with --rpc: how weights are placed across the devices")
+@click.option("-c", "--ctx-size", default=2048, show_default=True)
+@click.option("-b", "--batch-size", default=512, show_default=True)
+@click.option("-t", "--threads", default=os.cpu_count() or 1, show_default=True)
+@click.option("--window", type=int, default=None, help="prefetch window in layers [default: the fastest predicted]")
+@click.option("--io-threads", default=4, show_default=True)
+@click.option("-o", "--output", "out_dir", type=click.Path(file_okay=False),
+              help="directory for tensors.ot and plan.json")
+@click.option("--tune", "tune_best", type=int, default=None, is_flag=False, flag_value=3, metavar="[N]",
+              help="measure the N best predicted plans (3) and every baseline policy under the enforced budget, "
+                   "keep the fastest (run --mem then uses it)")
+@click.option("--tune-rounds", default=2, show_default=True, help="runs of each candidate, in turn")
+@click.option("--max-prompt", is_flag=True,
+              help="report the longest prompt --mem holds (and the ubatch it needs), instead of writing a plan")
+@click.option("--prompt-len", type=int, default=None, metavar="L",
+              help="report a prefill of L tokens step by step at each ubatch (memory: its peak and what it leaves)")
+@click.option("-n", "--n-predict", default=0, show_default=True, help="with --max-prompt: tokens to generate after it")
+@click.option("-fa", "--flash-attn", type=click.Choice(["on", "off"]), default="on", show_default=True,
+              help="with --max-prompt or --prompt-len: llama.cpp's attention path")
+@click.option("-ctk", "--cache-type-k", "cache_type_k", type=click.Choice(KV_TYPES), default="f16", show_default=True,
+              help="with --max-prompt or --prompt-len: the KV cache's K type")
+@click.option("-ctv", "--cache-type-v", "cache_type_v", type=click.Choice(KV_TYPES), default="f16", show_default=True,
+              help="with --max-prompt or --prompt-len: the KV cache's V type")
+@_precision_options
+@click.option("--json", "as_json", is_flag=True)
+@_errors_as_one_line
+def plan(model_spec, mem, policy, rpc, placement, ctx_size, batch_size, threads, window, io_threads, out_dir, tune_best,
+         tune_rounds, max_prompt, prompt_len, n_predict, flash_attn, cache_type_k, cache_type_v, precision, max_kld,
+         min_tok_s, original, as_json):
+    """Choose which tensors stay resident under a budget; write tensors.ot and plan.json."""
+    from flexoffload.gguf.model import load
+    from flexoffload.measure import footprint
+    from flexoffload.measure import profile as profiler
+    from flexoffload.plan import mixed
+    from flexoffload.plan import plan as plans
+    from flexoffload.plan.planners import plan_budget
+
+    model = load(catalog.resolve(model_spec))
+    if max_prompt or prompt_len is not None:
+        _plan_prompt(model, mem, max_prompt, prompt_len, n_predict, flash_attn, (cache_type_k, cache_type_v), as_json)
+        return
+    if out_dir is None:
+        raise FlexoffloadError("plan writes its files to -o DIR")
+    mixed.check_options(precision, max_kld, min_tok_s, original)
+    profile = profiler.measure(model, threads)
+    if precision:
+        if rpc or tune_best is not None or policy != "balanced" or window is not None:
+            raise FlexoffloadError("--precision auto plans with the balanced policy: not with --rpc, --tune, "
+                                   "--policy or --window, for now")
+        _plan_precision(model, budgets.parse_size(mem, model.file_size), profile, ctx_size, batch_size, threads,
+                        io_threads, max_kld, min_tok_s, original, out_dir, as_json)
+        return
+    if rpc:
+        _plan_placement(model, rpc, mem, placement, profile, threads, ctx_size, batch_size, io_threads, out_dir,
+                        as_json)
+        return
+    budget = budgets.parse_size(mem, model.file_size)
+    if tune_best is not None:
+        from flexoffload import api
+
+        if tune_best < 1 or tune_rounds < 1 or policy != "balanced" or window is not None:
+            raise FlexoffloadError("--tune takes N >= 1 and --tune-rounds >= 1; it chooses the policy and window")
+        p = api.tune(model, budget, profile, ctx_size, batch_size, tune_best, tune_rounds,
+                     echo=None if as_json else lambda msg: click.echo(msg, err=True))
+    else:
+        p = plan_budget(model, budget, policy, profile, footprint.measure(model, ctx_size, batch_size),
+                        window=window, io_threads=io_threads)
+    plans.write(p, out_dir)
+    if as_json:
+        click.echo(json.dumps(p.to_dict()))
+        return
+    m = p.memory
+    streamed = plans.streamed_bytes(p, model)
+    click.echo(f"{model.path.name}: {p.policy} plan for {format_size(p.budget)}, written to {out_dir}")
+    click.echo(f"  resident {m.resident / MiB:.0f} MiB ({len(p.resident)} tensors); streamed {streamed / MiB:.0f} MiB "
+               f"per token ({len(p.streamed)} tensors) through a window of {p.window} ({m.window / MiB:.0f} MiB)")
+    click.echo(f"  KV cache {m.kv_cache / MiB:.0f} MiB, compute buffers {m.compute / MiB:.0f} MiB, "
+               f"runtime {m.overhead / MiB:.0f} MiB: {m.total / MiB:.0f} of {p.budget / MiB:.0f} MiB")
+    click.echo(f"  predicted {p.predicted_tok_s:.2f} tok/s; roofline {p.roofline_tok_s:.2f} tok/s")
+    if p.tuning:
+        from flexoffload.measure import tune
+
+        click.echo("  tuned: the candidates, measured under the budget\n" + tune.describe(p))

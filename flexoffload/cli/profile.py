@@ -1,0 +1,130 @@
+"""`flexoffload profile`: disk bandwidth and compute speed for the cost model; with --ops each weight's operator,
+with --precision the harm of each lower type (measure/)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import click
+
+from flexoffload import FlexoffloadError
+from flexoffload.cli.common import _errors_as_one_line
+from flexoffload.gguf import models as catalog
+from flexoffload.plan.precision import LADDER
+
+
+def _profile_ops(model, threads: int, n_batch: int, remeasure: bool, as_json: bool, rpc: str | None) -> None:
+    """`profile --ops`: the operator table, by kind (summed over the layers) and in all; with --rpc, each server's
+    device profile after it."""
+    from flexoffload.measure import opprofile
+    from flexoffload.native import devices
+
+    endpoints = devices.parse_endpoints(rpc) if rpc else []
+    for endpoint in endpoints:
+        devices.probe_rpc(endpoint)
+    p = opprofile.cached(model, threads, n_batch, remeasure)
+    measured = {e: opprofile.device_cached(model, e, threads, remeasure) for e in endpoints}
+    if as_json:
+        click.echo(json.dumps({**p.to_dict(), "devices": measured}))
+        return
+    kinds = {t.name: t.kind for t in model.tensors}
+    decode, prompt = {}, {}
+    for name, seconds in p.decode.items():
+        decode[kinds.get(name, "?")] = decode.get(kinds.get(name, "?"), 0.0) + seconds
+        prompt[kinds.get(name, "?")] = prompt.get(kinds.get(name, "?"), 0.0) + p.prompt.get(name, 0.0)
+    click.echo(f"{model.path.name}: the CPU backend's operators, {threads} threads (ms; a ubatch of {p.n_batch})")
+    click.echo(f"{'kind':<14} {'decode':>10} {'ubatch':>10}")
+    for kind in sorted(decode, key=decode.get, reverse=True):
+        click.echo(f"{kind:<14} {decode[kind] * 1e3:>10.3f} {prompt[kind] * 1e3:>10.2f}")
+    total = sum(p.decode.values()) + p.others_decode_s
+    click.echo(f"{'other ops':<14} {p.others_decode_s * 1e3:>10.3f}")
+    click.echo(f"a decoded token: {total * 1e3:.2f} ms ({1 / total:.2f} tok/s); a ubatch: "
+               f"{sum(p.prompt.values()) * 1e3:.1f} ms in its weights' operators; {len(p.decode)} tensors")
+    for endpoint, d in measured.items():
+        click.echo(f"RPC server {endpoint}: compute {d['compute_ratio']:.2f}x this CPU's time, "
+                   f"{d['visit_s'] * 1e3:.2f} ms a visit, link {d['bandwidth'] / 1e6:.0f} MB/s (round trip "
+                   f"{d['measured']['latency_s'] * 1e6:.0f} us)")
+
+
+def _profile_precision(model, threads, n_groups, ladder, remeasure, as_json) -> None:
+    """profile --precision: sensitivity.measure with a progress bar on stderr, then its table (or --json)."""
+    from dataclasses import asdict
+
+    from tqdm import tqdm
+
+    from flexoffload.measure import sensitivity
+    from flexoffload.plan import precision
+
+    types = tuple(precision.qtype(x.strip()).name for x in ladder.split(",") if x.strip())
+    for name in types:
+        if not precision.cpu_can_run(name):
+            raise FlexoffloadError(f"{name} has no dot product in the CPU backend: --types takes types it runs "
+                                   f"({', '.join(LADDER)}, IQ types)")
+    if n_groups < 1 or n_groups > model.n_layer:
+        raise FlexoffloadError(f"--groups must be between 1 and the model's {model.n_layer} layers, not {n_groups}")
+    bar = tqdm(desc="precision", unit="group", file=sys.stderr, disable=None)
+
+    def on_row(row, done, total):
+        bar.total = total
+        bar.n = done
+        bar.set_postfix_str(f"{row.group} {row.type}: KLD {row.kld:.4f}")
+
+    result = sensitivity.measure(model, n_groups, types, threads, remeasure, on_row)
+    bar.close()
+    if as_json:
+        click.echo(json.dumps(asdict(result)))
+        return
+    click.echo(f"{model.path.name}: UQEst {result.base_uqest:.3f} nats, perplexity {result.base_ppl:.3f} on the "
+               f"calibration text (HumanEval 0-39)")
+    click.echo(f"{'group':<24} {'type':<6} {'MiB saved':>9} {'KLD':>9} {'UQEst +':>8} {'same top':>8}")
+    for r in sorted(result.rows, key=lambda r: r.kld / max(r.bytes_saved, 1)):
+        click.echo(f"{r.group:<24} {r.type:<6} {r.bytes_saved / 2**20:9.1f} {r.kld:9.5f} {r.uqest_delta:+8.3f} "
+                   f"{r.same_top:8.1%}")
+
+
+@click.command()
+@click.option("-m", "--model", "model_spec", metavar="MODEL", help=f"GGUF path or catalog name [default: {catalog.DEFAULT_MODEL}]")
+@click.option("-t", "--threads", default=os.cpu_count() or 1, show_default=True)
+@click.option("--remeasure", is_flag=True, help="measure again even if a profile is cached")
+@click.option("--ops", is_flag=True,
+              help="time every weight's operator (MUL_MAT, GET_ROWS) for a decoded token and a prompt ubatch")
+@click.option("-b", "--batch-size", default=64, show_default=True, help="with --ops: the prompt ubatch timed")
+@click.option("--rpc", "rpc", metavar="HOST:PORT,...",
+              help="with --ops: each RPC server's device as well (its compute against this CPU's, a visit's cost, "
+                   "its link), from whole tokens with layers placed on it")
+@click.option("--precision", is_flag=True,
+              help="measure the harm of each lower type per group of tensors (KL divergence, UQEst) for "
+                   "plan --precision auto")
+@click.option("--groups", "n_groups", default=4, show_default=True, help="with --precision: layer groups per kind")
+@click.option("--types", "ladder", default=",".join(LADDER),
+              show_default=True, help="with --precision: the lower types a tensor may take")
+@click.option("--json", "as_json", is_flag=True)
+@_errors_as_one_line
+def profile(model_spec, threads, remeasure, ops, batch_size, rpc, precision, n_groups, ladder, as_json):
+    """Measure disk bandwidth and compute speed for the cost model (cached per model file)."""
+    from flexoffload.gguf.model import load
+    from flexoffload.measure import profile as profiler
+    from flexoffload.plan.costmodel import compute_seconds
+
+    model = load(catalog.resolve(model_spec))
+    if rpc and not ops:
+        raise FlexoffloadError("--rpc profiles the servers' devices with --ops")
+    if precision:
+        _profile_precision(model, threads, n_groups, ladder, remeasure, as_json)
+        return
+    if ops:
+        _profile_ops(model, threads, batch_size, remeasure, as_json, rpc)
+        return
+    p = profiler.measure(model, threads, remeasure=remeasure)
+    tok_s = 1.0 / compute_seconds(model, p)
+    runs = len(profiler.seen_disk_bw(model.path))
+    if as_json:  # disk_bw: what plans use; the profile's own passes and the runs' count beside it
+        click.echo(json.dumps({**p.to_dict(), "compute_tok_s": tok_s, "disk_runs": runs,
+                               "disk_bw_profile": profiler.as_measured(model, threads).disk_bw}))
+        return
+    typical = f" (the median of the profile's and {runs} streamed runs')" if runs else ""
+    click.echo(f"{model.path.name}: disk {p.disk_bw / 1e9:.2f} GB/s with O_DIRECT{typical}, "
+               f"{p.io_latency * 1e6:.0f} us a small read; decode {tok_s:.2f} tok/s with every weight in memory "
+               f"({threads} threads)")
