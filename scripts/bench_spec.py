@@ -22,8 +22,8 @@ runs, text for llama-speculative's, which runs a few tokens past -n).
     scripts/bench_spec.py [--budgets 0.6x,0.8x,1.0x,1.3x] [--prompts 4] [-n 64] [-c 512] [-b 64] [--tag qwen]
     scripts/bench_spec.py --budgets 0.8x --prompts 6 --plain 6 -c 2048 -b 512 --draft-ns 8,16,32 --tag defaults
 
---plain N adds N plain-language prompts of flexoffload.plain's evaluation set (llama-speculative then tunes on its
-tuning set too, --plain-tune of them); the summary gives the ratios per kind of prompt as well.
+--plain N adds N plain-language prompts of flexoffload.prompts.plain's evaluation set (llama-speculative then tunes
+on its tuning set too, --plain-tune of them); the summary gives the ratios per kind of prompt as well.
     scripts/bench_spec.py --on-tuning --prompts 8 --configs tree --budgets 0.8x --tag tune   # what a tree yields
 
 Writes results/llmcad_TAG.csv (a row per run; phase "tune" for the tuning runs), results/llmcad_TAG.jsonl (each

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The architecture matrix: every model shape at budgets from its minimum to 1.5x, each claim of the budget checked.
 
-For each model (a synthetic shape of flexoffload.synth, written once into the cache, or a catalog name) and budget:
+For each model (a synthetic shape of flexoffload.gguf.synth, written once into the cache, or a catalog name) and budget:
 - below the planner's minimum: `run --mem B --enforce` must refuse in one line naming the minimum;
 - otherwise three fresh processes, each after the page cache is dropped:
   1. streamed by the plan for B in a cgroup with room to spare (B + the model's size + 1 GiB): the peak of what the
@@ -26,10 +26,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from flexoffload import FlexoffloadError
-from flexoffload import api
-from flexoffload.gguf import models
-from flexoffload.plan import planners
+from flexoffload import FlexoffloadError  # noqa: E402
+from flexoffload import api  # noqa: E402
+from flexoffload.gguf import models  # noqa: E402
+from flexoffload.measure import footprint  # noqa: E402
+from flexoffload.plan import planners  # noqa: E402
 from flexoffload.gguf import synth  # noqa: E402
 from flexoffload.memory import budget as budgets  # noqa: E402
 from flexoffload.bench.sweep import DEFAULT_PROMPT  # noqa: E402
@@ -120,7 +121,7 @@ def main() -> None:
         for name in opts.models.split(","):
             path = model_path(name)
             model = load(path)
-            minimum = planners.run_minimum(model, opts.c, opts.b)
+            minimum = planners.run_minimum(model, footprint.measure(model, opts.c, opts.b))
             prompt = long_prompt(path, opts.b) if opts.long_prompt else DEFAULT_PROMPT
             for label in opts.budgets.split(","):
                 limit = {"min": minimum, "below": minimum - 16 * MiB}.get(label) \

@@ -58,6 +58,9 @@ def save(draw, rows: list[dict], png_path: str) -> None:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:] in (["-h"], ["--help"]):
+        print(__doc__)
+        sys.exit(0)
     if len(sys.argv) not in (3, 4):
         sys.exit(__doc__)
     with open(sys.argv[1]) as f:

@@ -4,7 +4,7 @@ kind: its own netns, cgroup and a link held to --rate), two ways, against everyt
 weights placed tensor by tensor (tensors.ot; attention stays on the host) and llama.cpp's -ngl (layers with their
 KV cache). Decode tok/s, greedy tokens against the local run; in turn, twice.
 
-    scripts/rpc_first.py [--rate 1gbit] [-o results/rpc_first_qwen1.5b.csv]
+    scripts/checks/rpc_first.py [--rate 1gbit] [-o results/rpc_first_qwen1.5b.csv]
 """
 
 import argparse
@@ -13,11 +13,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))
 
-from flexoffload import api
-from flexoffload.gguf import models
-from flexoffload.plan import placement
+from flexoffload import api  # noqa: E402
+from flexoffload.gguf import models  # noqa: E402
+from flexoffload.plan import placement  # noqa: E402
 from flexoffload.bench import machines as rpc  # noqa: E402
 from flexoffload.memory import budget as budgets  # noqa: E402
 from flexoffload.plan import plan as plans  # noqa: E402

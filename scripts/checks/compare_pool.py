@@ -8,7 +8,7 @@ each run made and their mean size. --fragment N first leaves N GiB of free memor
 (a helper maps 2N GiB, touches it and gives back every other page, held until the end), as a long-running machine's
 free memory is: the allocator serves single pages from those first. Needs root.
 
-    scripts/compare_pool.py --before ~/.cache/flexoffload/native/KEY/build/bin --mem 0.4x -r 3 \
+    scripts/checks/compare_pool.py --before ~/.cache/flexoffload/native/KEY/build/bin --mem 0.4x -r 3 \
         -o results/pool_qwen1.5b_04x.csv
 """
 

@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
 """The per-step memory estimate against the cgroup (issue 16, item 1): a prefill of a long prompt at each ubatch
 size, flash attention on and off, streamed by a plan for the budget whose costs come from llama.cpp's dry run
-(stepmem.run_costs). Predicted: the plan's unreclaimable memory; measured: the peak of what the run cannot give
-back (anonymous, locked, kernel), in a cgroup with room to spare; one run each.
+(measure.stepmem.run_costs). Predicted: the plan's unreclaimable memory; measured: the peak of what the run cannot
+give back (anonymous, locked, kernel), in a cgroup with room to spare; one run each.
 
-    scripts/check_stepmem.py [-m MODEL] [--mem 0.5x] [--prompt-tokens 2000] [-o results/stepmem_qwen1.5b.csv]
+    scripts/checks/check_stepmem.py [-m MODEL] [--mem 0.5x] [--prompt-tokens 2000] [-o results/stepmem_qwen1.5b.csv]
 
 With --resident, every weight in memory (no budget: nothing for a plan to fill), so the prediction is the estimate
 itself: weights + KV cache + the pass's buffers + heap, runtime and kernel, against the run's peak.
@@ -17,11 +17,12 @@ import dataclasses
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # scripts/, for matrix.py
 
-from flexoffload import api
-from flexoffload.gguf import models
+from flexoffload import api  # noqa: E402
+from flexoffload.gguf import models  # noqa: E402
+from flexoffload.measure.stepmem import run_costs  # noqa: E402
 from flexoffload.memory import stepmem  # noqa: E402
 from flexoffload.memory import budget as budgets  # noqa: E402
 from flexoffload.memory.budget import MiB  # noqa: E402
@@ -39,8 +40,8 @@ def main() -> None:
     ap.add_argument("--resident", action="store_true", help="every weight resident, no budget (see above)")
     ap.add_argument("--from-ttft", metavar="CSV", help="predict repro_hypergen's compute-bound rows (see above)")
     ap.add_argument("--chosen", action="store_true",
-                    help="instead: the ubatch run chooses for the prompt (prefill.py), its predicted and measured time "
-                         "to first token (-o results/prefill_chosen_qwen1.5b.csv)")
+                    help="instead: the ubatch run chooses for the prompt (measure/prefill.py), its predicted and "
+                         "measured time to first token (-o results/prefill_chosen_qwen1.5b.csv)")
     opts = ap.parse_args()
     if opts.chosen:
         chosen(opts)
@@ -92,7 +93,7 @@ def predicted_resident(model, setting) -> dict:
     """The estimate of a run with every weight resident: its parts and their sum with the kernel's share (MiB)."""
     from flexoffload.memory.footprint import KERNEL_PER_BYTE
 
-    c = stepmem.run_costs(model, setting, 0)  # overhead: heap, sampling, runtime, the kernel's fixed part
+    c = run_costs(model, setting, 0)  # overhead: heap, sampling, runtime, the kernel's fixed part
     need = model.weight_bytes + c["kv_cache"] + c["compute"] + c["overhead"]
     need += int(need * KERNEL_PER_BYTE)
     return {"kv_mb": round(c["kv_cache"] / MiB, 1), "compute_mb": round(c["compute"] / MiB, 1),
@@ -147,7 +148,7 @@ def measured(row: dict, request, limit: int, writer, f) -> None:
 
 def chosen(opts) -> None:
     """The run's own choice of ubatch for a long prompt, at each budget of --mem (comma-separated), in turn."""
-    from flexoffload.plan import prefill
+    from flexoffload.measure import prefill
     from flexoffload.measure import profile as profiler
 
     path = models.resolve("qwen2.5-coder-1.5b-instruct")

@@ -10,12 +10,11 @@
 - precision: llama-perplexity's KL divergence of the 1.5B requantized to Q3_K_M against the file's own, on a
   calibration text of the standard library's docstrings (-c 512, 6 chunks), with the time each step took.
 
-    scripts/checks_13.py [--only NAME,...]
+    scripts/checks/checks_13.py [--only NAME,...]
 """
 
 import argparse
 import csv
-import json
 import pydoc
 import re
 import subprocess
@@ -24,18 +23,19 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+REPO = Path(__file__).resolve().parent.parent.parent
+sys.path.insert(0, str(REPO))
 
-from flexoffload import api
-from flexoffload.gguf import models
-from flexoffload import native
+from flexoffload import api  # noqa: E402
+from flexoffload.gguf import models  # noqa: E402
+from flexoffload import native  # noqa: E402
 from flexoffload.measure import opprofile  # noqa: E402
 from flexoffload.memory import budget as budgets  # noqa: E402
 from flexoffload.plan import plan as plans  # noqa: E402
 from flexoffload.measure import profile as profiler  # noqa: E402
 from flexoffload.gguf.model import load  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent.parent / "results"
+RESULTS = REPO / "results"
 MODEL = models.resolve("qwen2.5-coder-1.5b-instruct")
 
 

@@ -7,8 +7,8 @@ runs every budget in turn, each run an enforced cgroup with the page cache dropp
 the profile's reads says where the disk is now. The runs themselves add to the history the typical bandwidth is
 taken from, as any run does.
 
-    scripts/check_prediction.py --mem 0.4x,0.6x,0.8x -r 3 -n 32 -o results/prediction_qwen1.5b.csv
-    scripts/check_prediction.py --decide --mem 0.8x -r 3 -n 64 -o results/prediction_md_qwen1.5b.csv
+    scripts/checks/check_prediction.py --mem 0.4x,0.6x,0.8x -r 3 -n 32 -o results/prediction_qwen1.5b.csv
+    scripts/checks/check_prediction.py --decide --mem 0.8x -r 3 -n 64 -o results/prediction_md_qwen1.5b.csv
 
 --decide runs `run -md` as a user would (speculating or not as it decides) and the target alone, in turn.
 

@@ -7,9 +7,10 @@ same state. A plan is a policy name (`none`: nothing but the small tensors resid
 `balanced-kept` / `balanced-streamed`: balanced with the output matrix kept, or streamed, whatever the cost model's
 OUTPUT_MARGIN says; `:wK` after it fixes the window at K instead of the fastest predicted (`balanced:w3`).
 
-    scripts/compare_plans.py --mem 0.5x --plans balanced-kept,balanced-streamed -r 4 -n 20 -o results/plans_05x.csv
-    scripts/compare_plans.py --mem 0.4x --plans balanced,balanced:w3,none:w3 -r 3 -n 16 -o results/plans_04x.csv
-    scripts/compare_plans.py --disk -o results/disk_qwen1.5b.csv     # the profile's read passes, cold first
+    scripts/checks/compare_plans.py --mem 0.5x --plans balanced-kept,balanced-streamed -r 4 -n 20 \
+        -o results/plans_05x.csv
+    scripts/checks/compare_plans.py --mem 0.4x --plans balanced,balanced:w3,none:w3 -r 3 -n 16 -o results/plans_04x.csv
+    scripts/checks/compare_plans.py --disk -o results/disk_qwen1.5b.csv     # the profile's read passes, cold first
 
 Writes a CSV row per run (or per disk pass).
 """
@@ -28,6 +29,7 @@ from flexoffload.plan import plan as plans
 from flexoffload.measure import profile
 from flexoffload.native import stream
 from flexoffload.gguf.model import load
+from flexoffload.measure import footprint
 from flexoffload.plan.planners import balanced
 from flexoffload.bench.sweep import write_csv
 
@@ -36,11 +38,12 @@ def make(model, prof, mem: int, name: str, n_ctx: int):
     """The plan called name at budget mem."""
     name, _, window = name.partition(":w")
     window = int(window) if window else None
+    run = footprint.measure(model, n_ctx, 512)
     if name in ("balanced-kept", "balanced-streamed"):
         margin = 1e9 if name.endswith("kept") else -0.99
         with mock.patch.object(balanced, "OUTPUT_MARGIN", margin):
-            return planners.plan_budget(model, mem, "balanced", prof, n_ctx, 512, window=window)
-    return planners.plan_budget(model, mem, name, prof, n_ctx, 512, window=window)
+            return planners.plan_budget(model, mem, "balanced", prof, run, window=window)
+    return planners.plan_budget(model, mem, name, prof, run, window=window)
 
 
 def main() -> None:

@@ -3,10 +3,10 @@
 with upstream's own attention: a build's llama-completion run with GGML_CPU_SPLIT_KV=1 (patch 0016 off: upstream
 splits a lone token's attention across the threads from 512 KV cells), and with it at flexoffload's 0.
 
-    scripts/check_equality.py -n 64 --problems 6 -o results/equality_qwen1.5b.csv
+    scripts/checks/check_equality.py -n 64 --problems 6 -o results/equality_qwen1.5b.csv
 
-Below 512 cells both references must equal every run; past it upstream's split may differ at a near tie (README,
-Speculation). A row per prompt and run; `cells` is the prompt's tokens plus those generated.
+Below 512 cells both references must equal every run; past it upstream's split may differ at a near tie
+(docs/speculation.md). A row per prompt and run; `cells` is the prompt's tokens plus those generated.
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))
 
-from flexoffload.prompts import humaneval
-from flexoffload.gguf import models
+from flexoffload.prompts import humaneval  # noqa: E402
+from flexoffload.gguf import models  # noqa: E402
 from flexoffload import native  # noqa: E402
 from flexoffload.bench.sweep import write_csv  # noqa: E402
 

@@ -3,7 +3,7 @@
 unified KV cache (what flexoffload does), against a linear batch of the same number of tokens (one sequence: the
 cheapest mask llama.cpp builds), on the real 1.5B with all weights in memory, so compute is all there is to see.
 
-    scripts/measure_tree_mask.py [-o results/tree_mask_overhead.csv] [--reps 5]
+    scripts/checks/measure_tree_mask.py [-o results/tree_mask_overhead.csv] [--reps 5]
 """
 
 from __future__ import annotations
