@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import sys
 import tempfile
 from dataclasses import asdict, dataclass, field, replace
@@ -612,9 +611,12 @@ def run_in_cgroup(p: Prepared, limit: int | None, stream_text: bool = False, tim
             if run.oom_killed:
                 raise FlexoffloadError(
                     f"out of memory: the kernel stopped the run at the enforced budget of {format_size(limit)}")
-            if p.request.rpc and run.returncode == -signal.SIGABRT:
+            if p.request.rpc:
                 # llama.cpp's RPC client aborts when a server stops answering (RPC_STATUS_ASSERT)
-                raise FlexoffloadError(f"an RPC server ({p.request.rpc}) stopped answering: the run ended")
+                from flexoffload.native import devices
+
+                raise FlexoffloadError(devices.failure(devices.parse_endpoints(p.request.rpc), "the run went on",
+                                                       run.stderr, run.returncode))
             last = [line for line in run.stderr.strip().splitlines() if line.strip()][-1:] or [f"exit {run.returncode}"]
             where = " under the cgroup" if limit is not None else ""
             raise FlexoffloadError(f"the run failed{where}: {last[0].removeprefix('flexoffload: ')}")

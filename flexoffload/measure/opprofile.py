@@ -249,8 +249,9 @@ def device_cached(model, endpoint: str, n_threads: int, remeasure: bool = False,
     r = subprocess.run([sys.executable, "-m", "flexoffload.measure.opprofile", "--device", str(model.path), endpoint,
                         str(n_threads), str(budget or 0)], capture_output=True, text=True, timeout=1800)
     if r.returncode != 0:
-        last = [line for line in r.stderr.splitlines() if line.strip()][-1:] or [f"exit {r.returncode}"]
-        raise FlexoffloadError(f"profiling the device at {endpoint} failed: {last[0].removeprefix('flexoffload: ')}")
+        from flexoffload.native import devices
+
+        raise FlexoffloadError(devices.failure([endpoint], "its device profile ran", r.stderr, r.returncode))
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(r.stdout)
     return json.loads(r.stdout)

@@ -172,6 +172,31 @@ def probe_rpc(endpoint: str, timeout: float = RPC_TIMEOUT) -> list[Device]:
         raise FlexoffloadError(f"RPC server {endpoint} is unreachable: {e}") from None
 
 
+def stopped(endpoints: list[str], timeout: float = 2.0) -> list[str]:
+    """Those of endpoints whose server no longer answers a probe (after a run or a profile over them failed)."""
+    out = []
+    for endpoint in endpoints:
+        try:
+            probe_rpc(endpoint, timeout)
+        except FlexoffloadError:
+            out.append(endpoint)
+    return out
+
+
+def failure(endpoints: list[str], what: str, stderr: str, returncode: int) -> str:
+    """One line for a child process over RPC servers that failed: the server that stopped answering while `what`
+    ran (out of memory, most likely: a server in a container is killed at its limit), else the child's own error
+    (its last `flexoffload:` line; llama.cpp's abort prints a backtrace, never shown)."""
+    gone = stopped(endpoints)
+    if gone:
+        return (f"the RPC server at {', '.join(gone)} stopped answering while {what}: out of memory? (give it a "
+                f"budget: --mem cpu=SIZE,rpc0=SIZE,...)")
+    ours = [line for line in stderr.splitlines() if line.startswith("flexoffload: ")]
+    if ours:
+        return ours[-1].removeprefix("flexoffload: ")
+    return f"{what} failed (exit {returncode})"
+
+
 _rpc_devices: dict[str, list[int]] = {}  # endpoint -> its ggml_backend_dev_t handles, registered once a process
 
 
