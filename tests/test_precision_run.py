@@ -43,6 +43,20 @@ def test_run_precision_auto_enforced_runs_the_mixed_file(wide, cache):
     result = json.loads(r.stdout)
     assert result["enforced"] and result["n_gen"] == 8
     assert result["plan"]["precision"]["source"] == str(wide.path) != result["model"]["path"]
+    # what the user is told before and while the profiles run (issue 27, item 2): each long measurement first says
+    # what it measures, about how long, and how to do it ahead; the sensitivity profile says how far it is
+    lines = r.stderr.splitlines()
+    disk = next(i for i, x in enumerate(lines) if x.startswith("flexoffload: measuring this machine's disk"))
+    notice = next(i for i, x in enumerate(lines) if x.startswith("flexoffload: measuring how wide.gguf takes lower"))
+    progress = [i for i, x in enumerate(lines) if x.startswith("flexoffload: precision ")]
+    assert "flexoffload profile -m" in lines[disk]
+    assert "flexoffload profile --precision -m" in lines[notice] and " left, about " in lines[notice]
+    assert progress and notice < progress[0]
+    total = int(lines[progress[-1]].split()[2].rstrip(":").split("/")[1])
+    assert len(progress) == total and f"precision {total}/{total}:" in lines[progress[-1]]
+    again = cli("run", "-m", str(wide.path), "--mem", "120M", "--precision", "auto", "--max-kld", "0.01", "-p", "x",
+                "-n", "1", "--temp", "0", "-t", "2")
+    assert again.returncode == 0 and "measuring" not in again.stderr  # cached: nothing measured again
 
 
 def test_a_relative_budget_is_of_the_model_the_user_named(wide, cache, tmp_path):

@@ -7,6 +7,7 @@ cache is dropped (where permitted), so each starts cold and the kernel holds it 
 from __future__ import annotations
 
 import csv
+import logging
 import statistics
 import sys
 from dataclasses import asdict, dataclass, is_dataclass
@@ -21,6 +22,8 @@ from flexoffload.gguf.model import load
 
 DEFAULT_PROMPT = "def quicksort(arr):\n    \"\"\"Sort a list of numbers in ascending order.\"\"\"\n"
 from flexoffload.defaults import POLICIES, STRATEGIES  # a bench entry is a strategy, or a policy `stream` runs by
+
+log = logging.getLogger(__name__)
 
 
 def strategy_fields(name: str) -> dict:
@@ -76,6 +79,8 @@ def run(model_spec, mems, strategies, repetitions, n_predict, prompt, n_ctx, n_t
         echo("flexoffload: cannot drop the page cache here (needs root); runs after the first start warm")
     rows = []
     total = len(budgets_bytes) * len(strategies) * repetitions
+    log.info("bench: %d runs (%d budgets x %d strategies x %d), each a fresh process in its own cgroup, cold; "
+             "progress below, the table at the end", total, len(budgets_bytes), len(strategies), repetitions)
     with tqdm(total=total, desc="bench", unit="run", file=sys.stderr, disable=None) as bar:
         for label, limit in budgets_bytes:
             if "tuned" in strategies:

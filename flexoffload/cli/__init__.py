@@ -12,6 +12,7 @@ commands share is in common.py.
 from __future__ import annotations
 
 import importlib
+import sys
 
 import click
 
@@ -52,6 +53,21 @@ class _LazyGroup(click.Group):
 @click.version_option(__version__, prog_name="flexoffload")
 def main():
     """Run GGUF models larger than the memory you give them, at the speed the disk allows."""
+    _notes_on_stderr()
+
+
+def _notes_on_stderr() -> None:
+    """What flexoffload's modules say before and during long work (their INFO records: a measurement about to run,
+    how far it is) goes to stderr as `flexoffload: ...` lines, as the commands' own notes do."""
+    import logging
+
+    log = logging.getLogger("flexoffload")
+    if not log.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("flexoffload: %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+        log.propagate = False
 
 
 def __getattr__(name: str):

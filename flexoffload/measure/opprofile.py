@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import logging
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -26,6 +27,8 @@ _OFFSET_OP = 8 + 8 + 32 + 32
 _OFFSET_SRC = _OFFSET_OP + 4 + 64 + 4
 NO_COMPUTE = ("NONE", "VIEW", "RESHAPE", "PERMUTE", "TRANSPOSE")
 WEIGHT_OPS = ("MUL_MAT", "GET_ROWS", "MUL_MAT_ID")
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -115,6 +118,8 @@ def cached(model, n_threads: int, n_batch: int = 64, remeasure: bool = False) ->
     path = cache_dir() / "ops" / f"{file_key(model.path)}-t{n_threads}-b{n_batch}-v1.json"
     if path.exists() and not remeasure:
         return OpProfile(**json.loads(path.read_text()))
+    log.info("timing each operator of %s as llama.cpp's scheduler runs it, %d threads (once, cached): under a "
+             "minute for a model of a few GB", model.path.name, n_threads)
     r = subprocess.run([sys.executable, "-m", "flexoffload.measure.opprofile", str(model.path), str(n_threads), str(n_batch)],
                        capture_output=True, text=True, timeout=1800)
     if r.returncode != 0:
@@ -246,6 +251,9 @@ def device_cached(model, endpoint: str, n_threads: int, remeasure: bool = False,
     path = cache_dir() / "devices" / f"{file_key(model.path)}-{safe}-t{n_threads}-v3.json"
     if path.exists() and not remeasure:
         return json.loads(path.read_text())
+    log.info("profiling the device of the RPC server at %s with %s: a run of the model with each of a few "
+             "placements (once per model and server, cached; `flexoffload profile --rpc %s` does it ahead): about "
+             "a minute", endpoint, model.path.name, endpoint)
     r = subprocess.run([sys.executable, "-m", "flexoffload.measure.opprofile", "--device", str(model.path), endpoint,
                         str(n_threads), str(budget or 0)], capture_output=True, text=True, timeout=1800)
     if r.returncode != 0:

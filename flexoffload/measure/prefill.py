@@ -6,6 +6,7 @@ plan/prefill.py predicts from them.
 from __future__ import annotations
 
 import json
+import logging
 import time
 
 from flexoffload import FlexoffloadError
@@ -16,6 +17,8 @@ from flexoffload.memory.stepmem import UBATCHES, Setting
 from flexoffload.plan.costmodel import Profile
 from flexoffload.plan.plan import Plan
 from flexoffload.plan.prefill import after_prefill, ttft
+
+log = logging.getLogger(__name__)
 
 
 def rates(model: Model, n_threads: int, remeasure: bool = False) -> dict[int, float]:
@@ -28,6 +31,8 @@ def rates(model: Model, n_threads: int, remeasure: bool = False) -> dict[int, fl
     if path.exists() and not remeasure:
         return {int(k): v for k, v in json.loads(path.read_text()).items()}
     top = max(UBATCHES)
+    log.info("timing a prefill pass of %s at each ubatch, %d to %d tokens (once, cached): under a minute for a "
+             "model of a few GB", model.path.name, min(UBATCHES), top)
     warm_page_cache(model.path)
     settings = engine.Settings(n_ctx=top + 64, n_batch=top, n_ubatch=top, n_threads=n_threads, temp=0.0,
                                flash_attn="on")

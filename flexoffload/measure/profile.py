@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import logging
 import mmap
 import os
 import statistics
@@ -27,6 +28,8 @@ from flexoffload.defaults import CHUNK_BYTES, IO_THREADS, cache_dir, file_key, w
 
 HUGE_PAGE = 2 << 20  # a transparent huge page on x86-64 and arm64 (4 KiB base pages)
 ALIGN = 4096  # O_DIRECT wants offset, length and buffer aligned to the logical block size; 4 KiB covers all
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -238,6 +241,8 @@ def as_measured(model: Model, n_threads: int, remeasure: bool = False) -> Profil
     if cached.exists() and not remeasure:
         d = json.loads(cached.read_text())
         return Profile.from_dict(d)
+    log.info("measuring this machine's disk and compute for %s, %d threads (once, cached; `flexoffload profile "
+             "-m %s` does it ahead): a few seconds to a minute", model.path.name, n_threads, model.path)
     disk = disk_speed(model)
     if disk.direct and sum(n for _, n in pass_requests(model, 768 << 20)) >= SUSTAINED_BYTES:
         record_disk_bw(model.path, max(disk.passes), "profile")

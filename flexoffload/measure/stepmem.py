@@ -9,6 +9,7 @@ memory/stepmem.py says what the sizes are and adds the CPU work buffer from the 
 from __future__ import annotations
 
 import json
+import logging
 import re
 import sys
 from dataclasses import asdict, dataclass
@@ -30,6 +31,8 @@ _OUTPUT = re.compile(r"output buffer size =\s*([0-9.]+) MiB")
 def _cache_path(model: Model) -> Path:
     return cache_dir() / "footprints" / f"{file_key(model.path)}-buffers-v1.json"
 
+log = logging.getLogger(__name__)
+
 
 def buffers(model: Model, settings: list[Setting]) -> list[Buffers]:
     """llama.cpp's buffers for each setting (cached per model file; those not cached asked of one child)."""
@@ -39,6 +42,9 @@ def buffers(model: Model, settings: list[Setting]) -> list[Buffers]:
     except (OSError, ValueError):
         known = {}
     missing = [s for s in settings if s.key() not in known]
+    if len(missing) > 4:
+        log.info("asking llama.cpp for the buffers of %d contexts of %s (a dry run: nothing is read; cached)",
+                 len(missing), model.path.name)
     if missing:
         cmd = [sys.executable, "-m", "flexoffload.measure.stepmem", str(model.path), json.dumps([asdict(s) for s in missing])]
         known.update(child_json(cmd, f"llama.cpp's dry run of {model.path.name}", 600))

@@ -13,6 +13,7 @@ cached per model file, budget, -c, -b and machine, and `run --mem` streams by on
 from __future__ import annotations
 
 import hashlib
+import logging
 import statistics
 import tempfile
 from collections.abc import Callable
@@ -21,6 +22,9 @@ from pathlib import Path
 
 from flexoffload import FlexoffloadError
 from flexoffload.defaults import POLICIES, cache_dir, file_key
+from flexoffload.measure import about
+
+log = logging.getLogger(__name__)
 
 PROMPT = "def quicksort(arr):\n    \"\"\"Sort a list of numbers in ascending order.\"\"\"\n"
 
@@ -119,6 +123,10 @@ def tune(model, budget: int, profile, run, timed: Callable[[dict], float], n_ctx
         raise FlexoffloadError(f"--tune measures under an enforced budget: {budgets.cgroup_unavailable()}")
     plan_list = candidates(model, budget, profile, run, n_best)
     plan_list.append(mmap_candidate(model, budget, plan_list[0]))
+    # a run: starting and loading (a few seconds), a prompt, the tokens at about the predicted speed
+    seconds = rounds * sum(5 + 8 / max(p.predicted_tok_s or plan_list[0].predicted_tok_s, 0.1) for p in plan_list)
+    log.info("--tune runs %d candidate plans %d times each, cold under the enforced budget, in turn: %s (the "
+             "choice is cached: `run --mem` streams by it)", len(plan_list), rounds, about(seconds))
     speeds: list[list[float]] = [[] for _ in plan_list]
     errors = [""] * len(plan_list)
     with tempfile.TemporaryDirectory(prefix="flexoffload-tune-") as tmp:
