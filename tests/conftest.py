@@ -1,12 +1,52 @@
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
+from flexoffload import FlexoffloadError
+from flexoffload import native
+from flexoffload.defaults import cache_dir
 from flexoffload.gguf import models
 from flexoffload.gguf import synth
+
+# What the session's own cache borrows from the user's, read only: the fetched models (file by file, so nothing is
+# added to the user's models/ folder), the native build, and the pinned source test_build_native builds from.
+_BORROWED = ("native", "sdist")
+
+
+def pytest_configure(config):
+    """Every cache a test touches is the session's own: FLEXOFFLOAD_CACHE is a fresh temporary folder, set before any
+    test runs and inherited by every child (cli, enforced runs, probes), so no test reads or writes the user's
+    profiles/, footprints/, tuned/, precision/, ... The real models and the native build are linked into it from the
+    user's cache, and FLEXOFFLOAD_NATIVE names the build (native.build_dir) found before the switch."""
+    user = cache_dir()
+    try:
+        build = native.build_dir()
+    except FlexoffloadError:  # tests that need it fail as they would without a build
+        build = None
+    session = Path(tempfile.mkdtemp(prefix="flexoffload-test-cache-"))
+    (session / "models").mkdir()
+    for entry in models.CATALOG.values():
+        real = user / "models" / entry.file_name
+        if real.is_file():
+            (session / "models" / entry.file_name).symlink_to(real)
+    for name in _BORROWED:
+        if (user / name).is_dir():
+            (session / name).symlink_to(user / name)
+    os.environ["FLEXOFFLOAD_CACHE"] = str(session)
+    if build is not None:
+        os.environ["FLEXOFFLOAD_NATIVE"] = str(build)
+    config._flexoffload_cache = session
+
+
+def pytest_unconfigure(config):
+    session = getattr(config, "_flexoffload_cache", None)
+    if session is not None:
+        shutil.rmtree(session, ignore_errors=True)  # the links go, not what they point to
 
 
 @pytest.fixture(scope="session")
@@ -17,7 +57,8 @@ def tiny_model(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def real_model() -> Path:
-    """The real Qwen2.5-Coder-1.5B-Instruct; `make test` fetches it first."""
+    """The real Qwen2.5-Coder-1.5B-Instruct (the user's, linked into the session's cache); `make test` fetches it
+    first."""
     entry = models.CATALOG[models.DEFAULT_MODEL]
     if not models.is_present(entry):
         pytest.fail(f"{entry.name} is not fetched: run `flexoffload models fetch` (make test does)")

@@ -1,3 +1,4 @@
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -7,8 +8,9 @@ from flexoffload.gguf import models
 from flexoffload.gguf import synth
 from flexoffload.plan.costmodel import Pipeline, Profile, roofline
 from flexoffload.gguf.model import Model, Tensor, load, tensor_kind
+from flexoffload.measure import footprint
 from flexoffload.plan.planners import (ATTENTION, FFN, POLICIES, always_resident, by_kind, is_small, layer_pool,
-                                  ceiling, make_plan, memory_for, minimum_budget)
+                                       make_plan, memory_for, minimum_budget)
 
 # 8 layers, F32: attn_q/attn_output 1 MiB, attn_k/v 256 KiB (small), FFN 3 MiB each, token_embd/output 2 MiB
 SHAPE = synth.Shape(n_layer=8, n_embd=512, n_ff=1536, n_head=8, n_head_kv=2, n_vocab=1024, n_ctx_train=512)
@@ -29,8 +31,8 @@ def qwen():
     return load(path)
 
 
-def shaped(shape: synth.Shape) -> Model:
-    """A Q4_0 tensor table of a llama shape, without writing the file (a 7B's would be 3.8 GB)."""
+def shaped(shape: synth.Shape, qtype: str = "Q4_0") -> Model:
+    """A tensor table of a llama shape (matrices Q4_0 or F32, norms F32), without writing the file."""
     kv = shape.n_embd // shape.n_head * shape.n_head_kv
     dims = [("token_embd.weight", (shape.n_embd, shape.n_vocab))]
     for i in range(shape.n_layer):
@@ -43,10 +45,13 @@ def shaped(shape: synth.Shape) -> Model:
     dims += [("output_norm.weight", (shape.n_embd,)), ("output.weight", (shape.n_embd, shape.n_vocab))]
     tensors, offset = [], 0
     for name, d in dims:
-        n_bytes = d[0] * 4 if len(d) == 1 else d[0] * d[1] // 32 * 18
-        tensors.append(Tensor(name, *tensor_kind(name), "F32" if len(d) == 1 else "Q4_0", d, n_bytes, offset))
+        if len(d) == 1 or qtype == "F32":
+            ty, n_bytes = "F32", 4 * d[0] * (d[1] if len(d) > 1 else 1)
+        else:
+            ty, n_bytes = "Q4_0", d[0] * d[1] // 32 * 18
+        tensors.append(Tensor(name, *tensor_kind(name), ty, d, n_bytes, offset))
         offset += n_bytes
-    return Model(Path("llama2-7b-shaped.gguf"), offset, "llama", "llama2-7b-shaped", shape.n_layer, shape.n_embd,
+    return Model(Path("shaped.gguf"), offset, "llama", "shaped", shape.n_layer, shape.n_embd,
                  shape.n_head, shape.n_head_kv, shape.n_ff, shape.n_vocab, shape.n_ctx_train, tensors)
 
 
@@ -305,7 +310,7 @@ def test_a_streamed_output_holds_two_chunks_not_itself(qwen):
     assert minimum_budget(qwen, 0) < memory_for(qwen, small | {out.name}, 0)
     prof = measured_like(qwen, 11.4)
     budget = int(0.3 * qwen.file_size)
-    p = plan_budget(qwen, budget, "balanced", prof, n_ctx=2048, n_batch=512)
+    p = plan_budget(qwen, budget, "balanced", prof, footprint.measure(qwen, 2048, 512))
     assert p.memory.total <= budget and out.name in p.streamed
     assert p.memory.window == Pipeline(qwen).window_bytes(set(p.resident), p.window) < 64 << 20
     # the ledger a policy fills keeps the same account as the pipeline

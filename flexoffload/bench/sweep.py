@@ -79,8 +79,8 @@ def run(model_spec, mems, strategies, repetitions, n_predict, prompt, n_ctx, n_t
         echo("flexoffload: cannot drop the page cache here (needs root); runs after the first start warm")
     rows = []
     total = len(budgets_bytes) * len(strategies) * repetitions
-    log.info("bench: %d runs (%d budgets x %d strategies x %d), each a fresh process in its own cgroup, cold; "
-             "progress below, the table at the end", total, len(budgets_bytes), len(strategies), repetitions)
+    log.info("bench: %d runs (%d budgets x %d strategies x %d), each a fresh process in its own cgroup, cold "
+             "(the table at the end)", total, len(budgets_bytes), len(strategies), repetitions)
     with tqdm(total=total, desc="bench", unit="run", file=sys.stderr, disable=None) as bar:
         for label, limit in budgets_bytes:
             if "tuned" in strategies:
@@ -108,6 +108,9 @@ def run(model_spec, mems, strategies, repetitions, n_predict, prompt, n_ctx, n_t
                         runs[strategy].append(api.run_in_cgroup(prepared, limit))
                     except FlexoffloadError as e:
                         errors[strategy] = str(e)
+                    if bar.disable:  # no bar (stderr is no terminal): a line a run
+                        got = errors.get(strategy) or f"{runs[strategy][-1]['decode_tok_s']:.2f} tok/s"
+                        log.info("bench %d/%d: %s %s: %s", bar.n, total, label, strategy, got)
             for strategy in strategies:
                 results = runs[strategy]
                 speeds = [r["decode_tok_s"] for r in results]
