@@ -252,7 +252,7 @@ def device_cached(model, endpoint: str, n_threads: int, remeasure: bool = False,
     if path.exists() and not remeasure:
         return json.loads(path.read_text())
     log.info("profiling the device of the RPC server at %s with %s: a run of the model with each of a few "
-             "placements (once per model and server, cached; `flexoffload profile --rpc %s` does it ahead): about "
+             "placements (once per model and server, cached; `flexoffload profile -m MODEL --ops --rpc %s` does it ahead): about "
              "a minute", endpoint, model.path.name, endpoint)
     r = subprocess.run([sys.executable, "-m", "flexoffload.measure.opprofile", "--device", str(model.path), endpoint,
                         str(n_threads), str(budget or 0)], capture_output=True, text=True, timeout=1800)
