@@ -101,8 +101,10 @@ class Machines:
                 "latency", "100ms", netns=where)
         cgroup = MemoryCgroup(self.memory[i] if isinstance(self.memory, list) else self.memory)
         self._cgroups.append(cgroup)
-        # bound to the private link only (RPC is unauthenticated)
-        self._procs.append(cgroup.popen(["ip", "netns", "exec", ns, self.server, "-H", ip, "-p", str(RPC_PORT),
+        # bound to the private link only (RPC is unauthenticated); nsenter enters the network namespace alone, where
+        # `ip netns exec` would also mount a fresh /sys and hide /sys/fs/cgroup: the server sees its cgroup, as a
+        # container does
+        self._procs.append(cgroup.popen(["nsenter", f"--net=/var/run/netns/{ns}", self.server, "-H", ip, "-p", str(RPC_PORT),
                                          "-t", str(self.threads)],
                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                         env={**os.environ, "GOMP_SPINCOUNT": os.environ.get("GOMP_SPINCOUNT",

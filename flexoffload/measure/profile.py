@@ -241,7 +241,7 @@ def as_measured(model: Model, n_threads: int, remeasure: bool = False) -> Profil
     if cached.exists() and not remeasure:
         d = json.loads(cached.read_text())
         return Profile.from_dict(d)
-    log.info("measuring this machine's disk and compute for %s, %d threads (once, cached; `flexoffload profile "
+    log.info("measuring this machine's disk and compute for %s at -t %d (once, cached; `flexoffload profile "
              "-m %s` does it ahead): a few seconds to a minute", model.path.name, n_threads, model.path)
     disk = disk_speed(model)
     if disk.direct and sum(n for _, n in pass_requests(model, 768 << 20)) >= SUSTAINED_BYTES:
