@@ -28,13 +28,12 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from flexoffload import FlexoffloadError
-from flexoffload.memory import budget as budgets
+from flexoffload.defaults import IO_THREADS, STRATEGIES, WINDOW
 from flexoffload.gguf import models as catalog
 from flexoffload.measure import footprint
 from flexoffload.measure import tune as tuning
+from flexoffload.memory import budget as budgets
 from flexoffload.memory.budget import MiB, format_size
-from flexoffload.defaults import IO_THREADS, STRATEGIES, WINDOW
-
 
 
 @dataclass
@@ -239,8 +238,8 @@ def plan_for_run(model, r: Request, limit: int | None, n_outputs: int = 1, n_seq
     prefetch and sync stream every tensor but the small ones (policy none), with window 3 and 0. draft: the bytes a
     resident draft model takes out of the budget.
     """
-    from flexoffload.plan import plan as plans
     from flexoffload.measure import profile as profiler
+    from flexoffload.plan import plan as plans
     from flexoffload.plan.planners import plan_budget
 
     if limit is not None:  # llama.cpp's own report of the context: refuses a model it cannot load, first
@@ -342,7 +341,7 @@ def _check_prompt_length(model, r: Request) -> int:
 def _draft_bytes(draft_model, r: Request) -> int:
     """What the resident draft model takes out of the target's budget."""
     from flexoffload.plan.planners import resident_bytes
-    from flexoffload.runtime import speculate, spectree
+    from flexoffload.runtime import spectree, speculate
 
     run = footprint.measure(draft_model, r.n_ctx, r.n_batch, spectree.MAX_BRANCHES, spectree.MAX_BRANCHES)
     return resident_bytes(draft_model, run, speculate.draft_by_rows(draft_model))
@@ -376,12 +375,12 @@ def _plan_model(r: Request):
 def _precision_plan(r: Request, model, limit: int):
     """run --precision auto: the plan mixed.py chooses (quality not measured again: plan --precision reports it),
     written to the cache; the request then runs the requantized file by it."""
-    from flexoffload.measure import mixed
-    from flexoffload.runtime import spectree
-    from flexoffload.plan import plan as plans
-    from flexoffload.measure import profile as profiler
     from flexoffload.defaults import cache_dir
     from flexoffload.gguf.model import load
+    from flexoffload.measure import mixed
+    from flexoffload.measure import profile as profiler
+    from flexoffload.plan import plan as plans
+    from flexoffload.runtime import spectree
 
     run = {}
     if r.draft:  # the target's plan leaves the resident draft its memory, and the tree its rows and sequences
@@ -542,8 +541,8 @@ def generate(model, prompt: str | None = None, generation: Generation = Generati
 def run_prepared(p: Prepared, on_text=None) -> dict:
     """Load and generate in this process; the result as a dict (engine.Result's fields and the run's context)."""
     from flexoffload.native import devices
-    from flexoffload.runtime import engine
     from flexoffload.plan import plan as plans
+    from flexoffload.runtime import engine
 
     r, model, plan = p.request, p.model, p.plan
     pairs = plans.overrides(plan) if plan else []  # tensors.ot's lines: (pattern, buffer type)
@@ -561,8 +560,7 @@ def run_prepared(p: Prepared, on_text=None) -> dict:
         window=(r.window if r.window is not None else plan.window) if plan else 0,
         io_threads=r.io_threads or (plan.io_threads if plan else IO_THREADS), verbose=r.verbose)
     if p.draft_model is not None:
-        from flexoffload.runtime import speculate
-        from flexoffload.runtime import spectree
+        from flexoffload.runtime import spectree, speculate
 
         spec = spectree.Options(tree=r.spec == "tree", pacer=r.pacer, adaptive=r.adaptive,
                                  adaptive_split=r.adaptive_split, pipeline=r.pipeline,

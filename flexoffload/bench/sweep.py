@@ -15,10 +15,10 @@ from dataclasses import asdict, dataclass, is_dataclass
 from tqdm import tqdm
 
 from flexoffload import FlexoffloadError
-from flexoffload.memory import budget as budgets
 from flexoffload.gguf import models as catalog
-from flexoffload.memory.budget import MiB
 from flexoffload.gguf.model import load
+from flexoffload.memory import budget as budgets
+from flexoffload.memory.budget import MiB
 
 DEFAULT_PROMPT = "def quicksort(arr):\n    \"\"\"Sort a list of numbers in ascending order.\"\"\"\n"
 from flexoffload.defaults import POLICIES, STRATEGIES  # a bench entry is a strategy, or a policy `stream` runs by

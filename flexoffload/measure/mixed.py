@@ -8,8 +8,9 @@ from pathlib import Path
 
 from flexoffload.defaults import IO_THREADS
 from flexoffload.gguf.model import Model, load
-from flexoffload.measure import footprint, sensitivity
+from flexoffload.measure import footprint
 from flexoffload.measure import profile as profiler
+from flexoffload.measure import sensitivity
 from flexoffload.plan import precision
 from flexoffload.plan.costmodel import Profile
 from flexoffload.plan.mixed import choose, search

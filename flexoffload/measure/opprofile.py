@@ -75,8 +75,8 @@ class _Timer:
 
 def measure(model_path: str, n_threads: int, n_batch: int = 64, n_tokens: int = 8) -> OpProfile:
     """Time the operators in this process: a prompt ubatch of n_batch tokens, then n_tokens decoded ones."""
-    from flexoffload.runtime import engine
     from flexoffload import native
+    from flexoffload.runtime import engine
 
     lib = native.llama_cpp()
     base = ctypes.CDLL(str(native.build_dir() / "libggml-base.so"))
@@ -177,9 +177,9 @@ def device_configs(model, budget: int | None) -> list[tuple[str, object]]:
     """The placements a device is timed with, those its budget holds (as the placers count a device's memory, at
     the profile's context): -ngl runs visit it once a token; every block's ffn_down there (-ot; attention on the
     host) visits it once a block (as many blocks' as fit)."""
-    from flexoffload.plan.placement import Placement, device_bytes
     from flexoffload.measure.footprint import measure
     from flexoffload.memory.footprint import costs as run_costs
+    from flexoffload.plan.placement import Placement, device_bytes
 
     costs = run_costs(measure(model, DEVICE_CTX, DEVICE_BATCH)) if budget is not None else {}
 
@@ -206,9 +206,9 @@ def measure_device(model_path: str, endpoint: str, n_threads: int, budget: int |
     and least squares over the configurations give the device's compute ratio and its visit's cost; the bandwidth
     is its link's (devices.measure_link). Per-operator timing through the eval callback would pay a round trip per
     node on RPC, larger than most nodes' compute, so whole tokens are timed instead."""
-    from flexoffload.native import devices
-    from flexoffload.measure import profile
     from flexoffload.gguf.model import load
+    from flexoffload.measure import profile
+    from flexoffload.native import devices
     from flexoffload.plan.placement import DeviceProfile, Placement, Walk
 
     model = load(model_path)

@@ -24,8 +24,8 @@ log = logging.getLogger(__name__)
 def rates(model: Model, n_threads: int, remeasure: bool = False) -> dict[int, float]:
     """Seconds one prefill pass of u tokens takes with every weight in memory, by u (UBATCHES), cached: a context
     of the largest ubatch, warm, the best of two passes at each size."""
-    from flexoffload.runtime import engine
     from flexoffload.measure.profile import warm_page_cache
+    from flexoffload.runtime import engine
 
     path = cache_dir() / "profiles" / f"{file_key(model.path)}-t{n_threads}-prefill-v1.json"
     if path.exists() and not remeasure:

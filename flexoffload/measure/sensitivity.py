@@ -30,12 +30,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from flexoffload import FlexoffloadError
-from flexoffload.prompts import humaneval
-from flexoffload.plan import precision
-from flexoffload.plan.precision import Row, Sensitivity
 from flexoffload.defaults import cache_dir, content_key, file_key, write_atomic
 from flexoffload.gguf.model import Model
 from flexoffload.measure import about
+from flexoffload.plan import precision
+from flexoffload.plan.precision import Row, Sensitivity
+from flexoffload.prompts import humaneval
 
 N_GROUPS = 4  # layer groups per kind: 7 layers each on the 1.5B's 28
 KLD_CTX = 512  # llama-perplexity's -c: it scores the second half of each chunk

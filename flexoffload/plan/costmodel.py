@@ -40,8 +40,8 @@ import math
 from collections.abc import Collection, Mapping
 from dataclasses import asdict, dataclass, field
 
-from flexoffload.gguf.model import Model, Tensor
 from flexoffload.defaults import CHUNK_BYTES
+from flexoffload.gguf.model import Model, Tensor
 
 # Kinds whose weights a decode step reads in full by a matrix multiplication.
 MATMUL_KINDS = frozenset({"attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down", "output"})

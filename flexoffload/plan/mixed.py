@@ -19,8 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from flexoffload import FlexoffloadError
-from flexoffload.plan import precision
 from flexoffload.gguf.model import Model
+from flexoffload.plan import precision
 from flexoffload.plan.precision import Row, Sensitivity
 
 DEFAULT_MAX_KLD = 0.05  # nats: about half of what requantizing this Q4_K_M to Q3_K_M costs (0.089, measured)

@@ -26,8 +26,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from flexoffload import FlexoffloadError
-from flexoffload import native
+from flexoffload import FlexoffloadError, native
 from flexoffload.defaults import cache_dir, content_key, file_key
 from flexoffload.gguf.model import Model, Tensor
 

@@ -28,15 +28,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from flexoffload import FlexoffloadError
-from flexoffload import native
-from flexoffload.plan.costmodel import looked_up_only
-from flexoffload.runtime.engine import Engine, Result, TextOut, stream_timings
+from flexoffload import FlexoffloadError, native
 from flexoffload.gguf.model import Model, load
+from flexoffload.plan.costmodel import looked_up_only
 from flexoffload.plan.plan import override_patterns
 from flexoffload.plan.planners import is_small
-from flexoffload.runtime.spectree import (MAX_BRANCHES, MAX_NODES, MIN_NODES, Branch, Node, Options, Stats, Tree, next_alpha,
-                       next_threshold)
+from flexoffload.runtime.engine import Engine, Result, TextOut, stream_timings
+from flexoffload.runtime.spectree import (MAX_BRANCHES, MAX_NODES, MIN_NODES, Branch, Node, Options, Stats, Tree,
+                                          next_alpha, next_threshold)
 
 DEAD_SEQ = MAX_BRANCHES  # the target's sequence for rejected cells kept occupied (see Speculator._bury)
 

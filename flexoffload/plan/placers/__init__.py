@@ -22,13 +22,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from flexoffload import FlexoffloadError
+from flexoffload.defaults import IO_THREADS
+from flexoffload.gguf.model import Model
 from flexoffload.memory.budget import format_size
 from flexoffload.memory.footprint import Footprint, costs
 from flexoffload.plan.costmodel import Profile
-from flexoffload.defaults import IO_THREADS
-from flexoffload.gguf.model import Model
-from flexoffload.plan.placement import (HOST, Cost, DeviceProfile, Placement, device_bytes, host_view, load_bytes, predict,
-                         tensor_devices, to_plan)
+from flexoffload.plan.placement import (HOST, Cost, DeviceProfile, Placement, device_bytes, host_view, load_bytes,
+                                        predict, tensor_devices, to_plan)
 from flexoffload.plan.plan import Plan
 
 
@@ -106,10 +106,7 @@ def evaluate(problem: Problem, placement: Placement) -> tuple[Plan, Cost]:
 
 def solve(problem: Problem, policy: str) -> Plan:
     """The policy's placement, the host's plan beside it, and the prediction, as a Plan (plans.write writes it)."""
-    from flexoffload.plan.placers import layers
-    from flexoffload.plan.placers import oato
-    from flexoffload.plan.placers import ours
-    from flexoffload.plan.placers import split
+    from flexoffload.plan.placers import layers, oato, ours, split
 
     policies: dict[str, Callable[[Problem], Placement]] = {"auto": ours.place, "oato": oato.place,
                                                             "layers": layers.place, "split": split.place}

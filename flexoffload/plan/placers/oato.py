@@ -15,8 +15,8 @@ operator). With more than one device, the first is filled before the next (the p
 
 from __future__ import annotations
 
-from flexoffload.plan.costmodel import MATMUL_KINDS
 from flexoffload.defaults import LOAD_PIECE_BYTES
+from flexoffload.plan.costmodel import MATMUL_KINDS
 from flexoffload.plan.placement import DeviceProfile, Placement
 from flexoffload.plan.placers import Problem
 

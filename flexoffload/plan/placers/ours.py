@@ -11,11 +11,8 @@ token: on a link every visit costs round trips, which is why per-operator placem
 from __future__ import annotations
 
 from flexoffload.plan.placement import Placement, device_bytes, head_home
+from flexoffload.plan.placers import Problem, evaluate, layer_counts, layers, oato, split
 from flexoffload.plan.plan import streamed_bytes
-from flexoffload.plan.placers import Problem, evaluate, layer_counts
-from flexoffload.plan.placers import layers
-from flexoffload.plan.placers import oato
-from flexoffload.plan.placers import split
 
 FINALISTS = 4  # candidates whose host tier is planned in full
 # Predictions closer than this are a tie: the one streaming least from the host's disk wins (the cost model's reads

@@ -29,11 +29,11 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Iterable
 
 from flexoffload import FlexoffloadError
+from flexoffload.defaults import IO_THREADS, SMALL_BYTES
+from flexoffload.gguf.model import Model, Tensor
 from flexoffload.memory.budget import format_size
 from flexoffload.memory.footprint import Footprint, costs, smallest_budget
 from flexoffload.plan.costmodel import Pipeline, Profile, roofline, rows_memory, window_bytes_of
-from flexoffload.defaults import IO_THREADS, SMALL_BYTES
-from flexoffload.gguf.model import Model, Tensor
 from flexoffload.plan.plan import Memory, Plan
 
 AUTO_WINDOWS = (0, 1, 2, 3, 4)  # prefetch windows make_plan chooses among (FlexInfer's default is 3)
@@ -292,10 +292,8 @@ def stream_all(model: Model, capacity: int, profile: Profile, window: int, io_th
 
 
 # The registry, imported last: the policy modules use the helpers above.
-from flexoffload.plan.planners import balanced
-from flexoffload.plan.planners import flexinfer
-from flexoffload.plan.planners import kind_first
 from flexoffload.plan.planners import layer  # noqa: E402
+from flexoffload.plan.planners import balanced, flexinfer, kind_first
 
 POLICIES: dict[str, Planner] = {
     "balanced": balanced.plan,

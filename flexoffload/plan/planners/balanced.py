@@ -32,8 +32,8 @@ from __future__ import annotations
 import heapq
 from itertools import combinations
 
-from flexoffload.plan.costmodel import Pipeline, Profile
 from flexoffload.gguf.model import Model, Tensor
+from flexoffload.plan.costmodel import Pipeline, Profile
 from flexoffload.plan.planners import Ledger, base, layer_pool
 
 # How much faster the cost model must predict a plan that streams an output matrix the budget could keep, to take

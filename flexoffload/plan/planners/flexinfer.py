@@ -21,8 +21,8 @@ Taken as written, with these readings where a real model is less regular than th
 
 from __future__ import annotations
 
-from flexoffload.plan.costmodel import Profile
 from flexoffload.gguf.model import Model
+from flexoffload.plan.costmodel import Profile
 from flexoffload.plan.planners import ATTENTION, FFN, base, by_kind, layer_pool
 
 

@@ -6,8 +6,8 @@ each tensor that still fits; other layer tensors last.
 
 from __future__ import annotations
 
-from flexoffload.plan.costmodel import Profile
 from flexoffload.gguf.model import Model
+from flexoffload.plan.costmodel import Profile
 from flexoffload.plan.planners import ATTENTION, FFN, base, by_kind, layer_pool
 
 

@@ -8,8 +8,8 @@ memory locking removes, and they need the biggest window.
 
 from __future__ import annotations
 
-from flexoffload.plan.costmodel import Profile
 from flexoffload.gguf.model import Model
+from flexoffload.plan.costmodel import Profile
 from flexoffload.plan.planners import base, layer_pool
 
 
