@@ -29,8 +29,6 @@ SUBNET = "10.77"  # machine i is 10.77.i.2, the host's end of its link 10.77.i.1
 START_TIMEOUT = 20.0
 
 
-
-
 def _run(*args: str, netns: str | None = None) -> None:
     """A command (ip, tc), in a network namespace if netns; a one-line error if it fails."""
     cmd = (["ip", "netns", "exec", netns] if netns else []) + list(args)
@@ -104,7 +102,8 @@ class Machines:
         # bound to the private link only (RPC is unauthenticated); nsenter enters the network namespace alone, where
         # `ip netns exec` would also mount a fresh /sys and hide /sys/fs/cgroup: the server sees its cgroup, as a
         # container does
-        self._procs.append(cgroup.popen(["nsenter", f"--net=/var/run/netns/{ns}", self.server, "-H", ip, "-p", str(RPC_PORT),
+        self._procs.append(cgroup.popen(["nsenter", f"--net=/var/run/netns/{ns}", self.server, "-H", ip, "-p",
+                                         str(RPC_PORT),
                                          "-t", str(self.threads)],
                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                         env={**os.environ, "GOMP_SPINCOUNT": os.environ.get("GOMP_SPINCOUNT",

@@ -67,7 +67,6 @@ class Model:
         return sum(t.n_bytes for t in self.tensors if t.layer == layer)
 
 
-
 def tensor_kind(name: str) -> tuple[str, int | None]:
     """The kind and layer of a tensor, from llama.cpp's naming (blk.N.attn_q.weight, output.weight, ...)."""
     m = _LAYER.match(name)

@@ -57,7 +57,8 @@ def measure(model, n_ctx: int, n_batch: int, n_outputs: int = 1, n_seq_max: int 
         return Footprint(**json.loads(path.read_text()))
     except (OSError, ValueError, TypeError):
         pass
-    cmd = [sys.executable, "-m", "flexoffload.measure.footprint", str(model.path), str(n_ctx), str(n_batch), str(n_outputs),
+    cmd = [sys.executable, "-m", "flexoffload.measure.footprint", str(model.path), str(n_ctx), str(n_batch),
+           str(n_outputs),
            str(n_seq_max)]
     footprint = Footprint(**child_json(cmd, f"llama.cpp's memory probe of {model.path.name}", 300))
     write_atomic(path, json.dumps(asdict(footprint)))

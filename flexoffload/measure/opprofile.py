@@ -120,7 +120,8 @@ def cached(model, n_threads: int, n_batch: int = 64, remeasure: bool = False) ->
         return OpProfile(**json.loads(path.read_text()))
     log.info("timing each operator of %s as llama.cpp's scheduler runs it, %d threads (once, cached): under a "
              "minute for a model of a few GB", model.path.name, n_threads)
-    r = subprocess.run([sys.executable, "-m", "flexoffload.measure.opprofile", str(model.path), str(n_threads), str(n_batch)],
+    r = subprocess.run([sys.executable, "-m", "flexoffload.measure.opprofile", str(model.path), str(n_threads),
+                        str(n_batch)],
                        capture_output=True, text=True, timeout=1800)
     if r.returncode != 0:
         last = [line for line in r.stderr.splitlines() if line.strip()][-1:] or [f"exit {r.returncode}"]
@@ -252,8 +253,8 @@ def device_cached(model, endpoint: str, n_threads: int, remeasure: bool = False,
     if path.exists() and not remeasure:
         return json.loads(path.read_text())
     log.info("profiling the device of the RPC server at %s with %s: a run of the model with each of a few "
-             "placements (once per model and server, cached; `flexoffload profile -m MODEL --ops --rpc %s` does it ahead): about "
-             "a minute", endpoint, model.path.name, endpoint)
+             "placements (once per model and server, cached; `flexoffload profile -m MODEL --ops --rpc %s` does it "
+             "ahead): about a minute", endpoint, model.path.name, endpoint)
     r = subprocess.run([sys.executable, "-m", "flexoffload.measure.opprofile", "--device", str(model.path), endpoint,
                         str(n_threads), str(budget or 0)], capture_output=True, text=True, timeout=1800)
     if r.returncode != 0:

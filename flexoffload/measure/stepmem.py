@@ -28,10 +28,11 @@ _KV = re.compile(r"llama_kv_cache: size =\s*([0-9.]+) MiB")
 _COMPUTE = re.compile(r"compute buffer size =\s*([0-9.]+) MiB")
 _OUTPUT = re.compile(r"output buffer size =\s*([0-9.]+) MiB")
 
+log = logging.getLogger(__name__)
+
+
 def _cache_path(model: Model) -> Path:
     return cache_dir() / "footprints" / f"{file_key(model.path)}-buffers-v1.json"
-
-log = logging.getLogger(__name__)
 
 
 def buffers(model: Model, settings: list[Setting]) -> list[Buffers]:
@@ -46,7 +47,8 @@ def buffers(model: Model, settings: list[Setting]) -> list[Buffers]:
         log.info("asking llama.cpp for the buffers of %d contexts of %s (a dry run: nothing is read; cached)",
                  len(missing), model.path.name)
     if missing:
-        cmd = [sys.executable, "-m", "flexoffload.measure.stepmem", str(model.path), json.dumps([asdict(s) for s in missing])]
+        cmd = [sys.executable, "-m", "flexoffload.measure.stepmem", str(model.path),
+               json.dumps([asdict(s) for s in missing])]
         known.update(child_json(cmd, f"llama.cpp's dry run of {model.path.name}", 600))
         write_atomic(path, json.dumps(known))
     out = []
@@ -106,7 +108,6 @@ def main() -> None:
     except FlexoffloadError as e:
         print(f"flexoffload: {e}", file=sys.stderr)
         sys.exit(1)
-
 
 
 def room(model: Model, setting: Setting) -> int:

@@ -8,12 +8,13 @@ the tokens to generate at the plan's decode speed.
 
 When decode starts, the context's ubatch becomes DECODE_UBATCH (patch 0015 sizes the compute buffers again, and
 their memory comes back) and the streamed tensors that memory holds become resident, each read once (0013, 0014):
-`after_prefill` chooses them (measure/prefill.py's `choose` picks the ubatch), so decode runs at a plan for its own buffers, not the prefill's.
+`after_prefill` chooses them (measure/prefill.py's `choose` picks the ubatch), so decode runs at a plan for its own
+buffers, not the prefill's.
 
-The time to first token is predicted per pass as its compute (measured: measure/prefill.py's `rates`, a ubatch's pass with every weight
-in memory, by u) plus its reads of the streamed tensors (`pass_seconds`: measured, the two do not overlap in a
-prefill). Attention's growth with the cells already filled, and its cost per KV type, are not modelled: the
-prediction is close at 2048 tokens, 2.3x short at 8192 and 12x at 16384 with a q8_0 cache
+The time to first token is predicted per pass as its compute (measured: measure/prefill.py's `rates`, a ubatch's
+pass with every weight in memory, by u) plus its reads of the streamed tensors (`pass_seconds`: measured, the two
+do not overlap in a prefill). Attention's growth with the cells already filled, and its cost per KV type, are not
+modelled: the prediction is close at 2048 tokens, 2.3x short at 8192 and 12x at 16384 with a q8_0 cache
 (results/hypergen_qwen1.5b_ttft.csv). That cost does not depend on the ubatch, so the choice stands.
 """
 
@@ -30,10 +31,10 @@ def after_prefill(model: Model, plan: Plan, room: int, profile: Profile) -> tupl
     """The streamed tensors to make resident when decode starts, and decode's predicted tok/s with them.
 
     room is the memory the compute buffers give back going from the prefill's ubatch to DECODE_UBATCH (llama.cpp's
-    dry run of both: measure.stepmem.room; the CPU work buffer and the logits are kept, so not counted). It goes first to the layer that
-    streams the most, the largest of its tensors that fits, and so on (a balanced pipeline: decode waits on its
-    slowest layer). A tensor only looked up by rows (token_embd) costs decode a few rows: it stays streamed. The
-    read pool keeps its size (it never shrinks), so the window's memory is unchanged."""
+    dry run of both: measure.stepmem.room; the CPU work buffer and the logits are kept, so not counted). It goes
+    first to the layer that streams the most, the largest of its tensors that fits, and so on (a balanced pipeline:
+    decode waits on its slowest layer). A tensor only looked up by rows (token_embd) costs decode a few rows: it
+    stays streamed. The read pool keeps its size (it never shrinks), so the window's memory is unchanged."""
     from flexoffload.plan.costmodel import looked_up_only, predict
 
     if room <= 0 or not plan.streamed:

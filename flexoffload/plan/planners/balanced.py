@@ -37,7 +37,8 @@ from flexoffload.plan.costmodel import Pipeline, Profile
 from flexoffload.plan.planners import Ledger, base, layer_pool
 
 # How much faster the cost model must predict a plan that streams an output matrix the budget could keep, to take
-# it. Measured on the 1.5B (scripts/checks/compare_plans.py: one process, plans in turn, results/plans_qwen1.5b_0*x.csv):
+# it. Measured on the 1.5B (scripts/checks/compare_plans.py: one process, plans in turn,
+# results/plans_qwen1.5b_0*x.csv):
 # at 0.5x, output streamed 1.78 tok/s mean over 4 runs, kept 2.35, where the model predicted 3% for streaming it;
 # at 0.7x, 1.95 against 3.13 over 3 (predicted 3% for streaming). The chunks it cannot read ahead
 # (costmodel.Stage.late_read_s) explain only part of that.
