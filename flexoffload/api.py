@@ -240,7 +240,7 @@ def plan_for_run(model, r: Request, limit: int | None, n_outputs: int = 1, n_seq
     """
     from flexoffload.measure import profile as profiler
     from flexoffload.plan import plan as plans
-    from flexoffload.plan.planners import plan_budget
+    from flexoffload.plan.planners import check_budget, plan_budget
 
     if limit is not None:  # llama.cpp's own report of the context: refuses a model it cannot load, first
         footprint.measure(model, r.n_ctx, r.n_batch, n_outputs, n_seq_max)
@@ -291,9 +291,10 @@ def plan_for_run(model, r: Request, limit: int | None, n_outputs: int = 1, n_seq
         budget = limit if limit is not None else 4 * model.file_size + (1 << 30)
         return make_plan(model, budget, policy, profiler.measure(model, r.n_threads), window=window,
                          io_threads=r.io_threads or IO_THREADS, **stepmem.run_costs(model, setting, budget))
-    return plan_budget(model, limit if limit is not None else 4 * model.file_size + (1 << 30), policy,
-                       profiler.measure(model, r.n_threads),
-                       footprint.measure(model, r.n_ctx, r.n_batch, n_outputs, n_seq_max), window=window,
+    budget = limit if limit is not None else 4 * model.file_size + (1 << 30)
+    run = footprint.measure(model, r.n_ctx, r.n_batch, n_outputs, n_seq_max)
+    check_budget(model, budget, run, window, draft)  # a budget too small is refused before the profile runs
+    return plan_budget(model, budget, policy, profiler.measure(model, r.n_threads), run, window=window,
                        io_threads=r.io_threads or IO_THREADS, draft=draft)
 
 

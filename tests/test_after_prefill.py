@@ -5,12 +5,13 @@ import re
 
 import pytest
 
-from flexoffload.runtime import engine
-from flexoffload.plan import prefill
-from flexoffload.memory import stepmem
-from flexoffload.native import stream
 from flexoffload.gguf import synth
 from flexoffload.gguf.model import load
+from flexoffload.measure import stepmem as measured_stepmem
+from flexoffload.memory import stepmem
+from flexoffload.native import stream
+from flexoffload.plan import prefill
+from flexoffload.runtime import engine
 
 SHAPE = synth.Shape(n_layer=4, n_embd=1024, n_ff=2816, n_head=8, n_head_kv=4, n_vocab=384, n_ctx_train=1024)
 PROMPT = " ".join(f"w{i}" for i in range(120))
@@ -73,18 +74,18 @@ def test_after_prefill_fills_what_the_compute_buffers_give_back(model):
 
     m = load(model)
     setting = stepmem.Setting(512, 256, "on")
-    wide, narrow = stepmem.buffers(m, [setting, stepmem.Setting(512, prefill.DECODE_UBATCH, "on")])
-    costs = stepmem.run_costs(m, setting)
-    budget = stepmem.minimum(m, setting, costs) + 4 * (1 << 20)
+    wide, narrow = measured_stepmem.buffers(m, [setting, stepmem.Setting(512, prefill.DECODE_UBATCH, "on")])
+    costs = measured_stepmem.run_costs(m, setting)
+    budget = measured_stepmem.minimum(m, setting, costs) + 4 * (1 << 20)
     plan = make_plan(m, budget, "balanced", profiler.measure(m, 2), **costs)
-    names, tok_s = prefill.after_prefill(m, plan, setting, profiler.measure(m, 2))
+    names, tok_s = prefill.after_prefill(m, plan, measured_stepmem.room(m, setting), profiler.measure(m, 2))
     sizes = {t.name: t.n_bytes for t in m.tensors}
     assert names and set(names) <= set(plan.streamed)
     assert sum(sizes[n] for n in names) <= wide.compute - narrow.compute
     assert tok_s >= plan.predicted_tok_s * (1 - 1e-12)  # equal where the moved tensors were not the bottleneck
     # nothing to give back at the decode's own ubatch
-    assert prefill.after_prefill(m, plan, stepmem.Setting(512, 1, "on"), profiler.measure(m, 2)) == \
-        ((), plan.predicted_tok_s)
+    assert prefill.after_prefill(m, plan, measured_stepmem.room(m, stepmem.Setting(512, 1, "on")),
+                                 profiler.measure(m, 2)) == ((), plan.predicted_tok_s)
 
 
 def test_run_moves_memory_back_and_equals_llama_completion(model):
@@ -94,7 +95,7 @@ def test_run_moves_memory_back_and_equals_llama_completion(model):
 
     m = load(model)
     setting = stepmem.Setting(512, 256, "on")
-    budget = stepmem.minimum(m, setting) + 6 * (1 << 20)
+    budget = measured_stepmem.minimum(m, setting) + 6 * (1 << 20)
     ours = flexoffload_run(model, PROMPT, 16, "-c", "512", "-b", "256", "-ub", "256", "-fa", "on", "--mem",
                            str(budget), "--strategy", "stream")
     assert ours["timings"]["made_resident"] == ours["plan"]["after_prefill"]["tensors"] > 0

@@ -61,9 +61,11 @@ def test_mmap_runs_where_the_cost_model_predicts_it_as_fast(tmp_path, monkeypatc
     switched = api.prepare(request)
     assert switched.request.strategy == "mmap" and switched.plan is None
     monkeypatch.undo()
+    from flexoffload.measure import footprint
     from flexoffload.memory import budget as budgets
 
-    half = budgets.holding(load(path), load(path).weight_bytes // 2, 256, 64)
+    m = load(path)
+    half = budgets.holding(m, m.weight_bytes // 2, footprint.measure(m, 256, 64))
     small = api.prepare(api.Request(**{**asdict(request), "mem": str(half)}))
     assert small.request.strategy == "stream" and not small.notes
     assert plans.streamed_bytes(small.plan, load(path)) > 0

@@ -52,28 +52,31 @@ def test_the_measured_runtime_is_within_a_real_runs_peak(tiny_model):
     import json
 
     from conftest import cli
-    from flexoffload.memory import budget
     from flexoffload.gguf.model import load
+    from flexoffload.measure import footprint
+    from flexoffload.memory import budget
 
     budget.drop_page_cache()
     r = cli("run", "-m", str(tiny_model), "-p", "a b c", "-n", "4", "--temp", "0", "--mem", "512M", "--enforce",
             "--json", check=True)
     peak = json.loads(r.stdout)["peak_mem_mb"] * MiB
     m = load(tiny_model)
-    assert budget.context_bytes(m, 2048, 512).runtime < peak <= budget.minimum(m, 2048, 512) + m.weight_bytes
+    run = footprint.measure(m, 2048, 512)
+    assert run.runtime < peak <= budget.minimum(m, run) + m.weight_bytes
 
 
 def test_minimum_is_refused_below_and_named(tiny_model):
-    from flexoffload.memory import budget
     from flexoffload.gguf.model import load
+    from flexoffload.measure import footprint
+    from flexoffload.memory import budget
 
     m = load(tiny_model)
-    need = budget.minimum(m, 2048, 512)
-    run = budget.context_bytes(m, 2048, 512)
+    run = footprint.measure(m, 2048, 512)
+    need = budget.minimum(m, run)
     assert need > run.runtime + run.code + run.kv_cache
-    budget.check(m, need, 2048, 512)
+    budget.check(m, need, run, 2048, 512)
     with pytest.raises(FlexoffloadError, match="minimum is"):
-        budget.check(m, need - 1, 2048, 512)
+        budget.check(m, need - 1, run, 2048, 512)
 
 
 def test_run_limited_charges_the_child_and_samples_what_it_cannot_give_back():

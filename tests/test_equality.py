@@ -1,6 +1,10 @@
-"""Greedy output equals unpatched llama.cpp's (llama-completion) for the same model, prompt and settings."""
+"""Greedy output equals that of llama-completion, the CLI of this native build (llama.cpp with our patches), for the
+same model, prompt and settings: run on llama.cpp's own paths (mmap, no repacking, no -ot unless a plan's overrides are
+given), with GGML_CPU_SPLIT_KV as this process has it, i.e. inherited (flexoffload.native sets it to 0 unless the user
+set it: patch 0016's switch, upstream's split of a lone token's attention off)."""
 
 import json
+import os
 import subprocess
 
 import pytest
@@ -13,15 +17,17 @@ PROMPT = 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n'
 
 def llama_completion(model, prompt, n, ctx=2048, batch=512, threads=2, prompt_file=None, overrides=(), ubatch=None,
                      flash_attn=None) -> str:
-    """The text llama-completion generates greedily (mmap, no repacking: upstream's plain path); the prompt from
-    prompt_file (-f) instead where one is given; overrides: `-ot` lines (a plan's tensors.ot: STREAMED ones)."""
+    """The text this build's llama-completion generates greedily (mmap, no repacking: upstream's plain path, on our
+    patched tree), GGML_CPU_SPLIT_KV inherited from this process; the prompt from prompt_file (-f) instead where one
+    is given; overrides: `-ot` lines (a plan's tensors.ot: STREAMED ones, which only the patched build takes)."""
     source = ["-f", str(prompt_file)] if prompt_file else ["-p", prompt]
     source += ["-ot", ",".join(overrides)] if overrides else []
     source += ["-fa", flash_attn] if flash_attn else []
     cmd = [str(native.tool("llama-completion")), "-m", str(model), *source, "-n", str(n), "--temp", "0",
            "-c", str(ctx), "-b", str(batch), "-ub", str(ubatch or batch), "-t", str(threads), "-lm", "mmap", "--no-repack",
            "-no-cnv", "--no-display-prompt", "--simple-io", "--no-warmup"]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL)
+    env = {**os.environ, "GGML_CPU_SPLIT_KV": os.environ["GGML_CPU_SPLIT_KV"]}  # inherited (flexoffload.native set it)
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL, env=env)
     assert r.returncode == 0, r.stderr[-2000:]
     # completion.cpp ends its output with LOG("\n\n"): all of it was written (patch 0010)
     assert r.stdout.endswith("\n\n"), f"llama-completion's output was cut short: {r.stdout!r}"
@@ -75,18 +81,19 @@ def test_prompt_file_is_read_as_llama_completion_reads_it(tiny_model, tmp_path):
 
 
 def test_every_strategy_equals_llama_completion_with_the_same_overrides(tmp_path):
-    """A plan's tensors.ot given to the patched llama-completion (-ot) streams the same tensors: its greedy text is
-    flexoffload's for the plan, for prefetch and sync (everything streamable streamed), and upstream mmap's."""
-    from flexoffload.memory import budget as budgets
-    from flexoffload.plan import plan as plans
+    """A plan's tensors.ot given to this build's llama-completion (-ot) streams the same tensors: its greedy text is
+    flexoffload's for the plan, for prefetch and sync (everything streamable streamed), and its own with mmap."""
     from flexoffload.gguf import synth
     from flexoffload.gguf.model import load
+    from flexoffload.measure import footprint
+    from flexoffload.memory import budget as budgets
+    from flexoffload.plan import plan as plans
     from flexoffload.plan.planners import always_resident
 
     shape = synth.Shape(n_layer=4, n_embd=1024, n_ff=2816, n_head=8, n_head_kv=4, n_vocab=384, n_ctx_train=1024)
     model = synth.write(tmp_path / "streamable.gguf", shape)
     m = load(model)
-    budget = budgets.holding(m, m.weight_bytes * 3 // 4, 512, 512)
+    budget = budgets.holding(m, m.weight_bytes * 3 // 4, footprint.measure(m, 512, 512))
     plan_dir = tmp_path / "plan"
     cli("plan", "-m", str(model), "--mem", str(budget), "-c", "512", "-b", "512", "-o", str(plan_dir), check=True)
     planned = (plan_dir / "tensors.ot").read_text().split()
@@ -95,13 +102,13 @@ def test_every_strategy_equals_llama_completion_with_the_same_overrides(tmp_path
         [n for n in names if n not in always_resident(m)], names)]
     assert planned and planned != everything  # the plan keeps some of what prefetch streams
 
-    upstream = llama_completion(model, "a b c d", 16, ctx=512)
-    assert upstream
-    assert llama_completion(model, "a b c d", 16, ctx=512, overrides=planned) == upstream
-    assert llama_completion(model, "a b c d", 16, ctx=512, overrides=everything) == upstream
+    mmap = llama_completion(model, "a b c d", 16, ctx=512)
+    assert mmap
+    assert llama_completion(model, "a b c d", 16, ctx=512, overrides=planned) == mmap
+    assert llama_completion(model, "a b c d", 16, ctx=512, overrides=everything) == mmap
     for extra in (("--plan", str(plan_dir)), ("--strategy", "prefetch"), ("--strategy", "sync")):
         ours = flexoffload_run(model, "a b c d", 16, "-c", "512", *extra)
-        assert ours["text"] == upstream and ours["strategy"] in ("stream", "prefetch", "sync")
+        assert ours["text"] == mmap and ours["strategy"] in ("stream", "prefetch", "sync")
 
 
 def test_greedy_equals_llama_completion_with_a_smaller_ubatch(tiny_model):

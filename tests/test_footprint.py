@@ -1,14 +1,28 @@
-"""A context's memory beside the weights, as llama.cpp reports it (footprint.py)."""
+"""A context's memory beside the weights, as llama.cpp reports it (measure/footprint.py's probe, memory/footprint.py's
+Footprint)."""
+
+import ctypes
 
 import pytest
 
 from flexoffload import FlexoffloadError
-from flexoffload.memory import footprint
+from flexoffload import native
+from flexoffload.gguf import synth
 from flexoffload.gguf.model import load
+from flexoffload.measure import footprint
+from flexoffload.memory.footprint import KERNEL_FIXED
 
 
-def test_kv_cache_is_what_llama_cpp_allocates(tiny_model):
-    """K and V, f16, for every layer of the tiny llama: n_ctx (padded to 256 by llama.cpp) x n_head_kv x head_dim."""
+def sampling_bytes(n_vocab: int) -> int:
+    """A sampled token's scratch, from llama.cpp's own types: its candidate array (a llama_token_data, as the
+    bindings declare it from llama.h, a token) and a copy of the logits (a float a token)."""
+    lib = native.llama_cpp()
+    return n_vocab * (ctypes.sizeof(lib.llama_token_data) + ctypes.sizeof(ctypes.c_float))
+
+
+def test_kv_cache_output_and_sampling_are_what_llama_cpp_allocates(tiny_model):
+    """K and V, f16, for every layer of the tiny llama: n_ctx (padded to 256 by llama.cpp) x n_head_kv x head_dim;
+    a logits row of the vocabulary; the sampling scratch of llama.cpp's types for its 384 tokens."""
     m = load(tiny_model)
     fp = footprint.probe(str(tiny_model), 256, 32, 1, 1)
     logged = 0.01 * (1 << 20)  # llama.cpp logs its sizes to 0.01 MiB; footprint rounds them up
@@ -18,7 +32,7 @@ def test_kv_cache_is_what_llama_cpp_allocates(tiny_model):
     assert fp.output >= 4 * m.n_vocab
     # the heap of a model this small may fit in what the allocator already had (grown by nothing): heap_grows_with...
     assert fp.compute > 0 and fp.heap >= 0 and fp.runtime > 0 and fp.code > 0
-    assert fp.sampling == 16 * m.n_vocab
+    assert fp.sampling == sampling_bytes(synth.TINY.n_vocab)
 
 
 def test_more_outputs_and_a_larger_batch_take_more(tiny_model):
@@ -31,14 +45,12 @@ def test_the_heap_grows_with_the_vocabulary(tmp_path, monkeypatch):
     """A 256k-token vocabulary's token texts, map and scores are tens of MiB of heap; a 32-token one's nearly none.
     Probed in a fresh process as a plan does: in pytest's, the allocator may hand back what earlier tests freed,
     and the heap would seem to grow by nothing."""
-    from flexoffload.gguf import synth
-
     monkeypatch.setenv("FLEXOFFLOAD_CACHE", str(tmp_path))
     big = footprint.measure(load(synth.write(tmp_path / "big.gguf", synth.SHAPES["gemma3-tiny-256k"])), 256, 32)
     small = footprint.measure(load(synth.write(tmp_path / "small.gguf", synth.SHAPES["qwen2-tiny"])), 256, 32)
     n_vocab = synth.SHAPES["gemma3-tiny-256k"].n_vocab
     assert big.heap > small.heap + 16 * n_vocab  # at least the 16 bytes a token's score and type take
-    assert big.sampling == 16 * n_vocab
+    assert big.sampling == sampling_bytes(n_vocab)
 
 
 def test_measure_caches_per_model_and_settings(tiny_model, tmp_path, monkeypatch):
@@ -65,18 +77,17 @@ def test_the_plan_predicts_what_the_run_cannot_give_back(tmp_path, shape):
     anonymous and kernel memory is never above the plan's prediction, and within 10 % of it (and the fixed kernel
     reserve: 7 % of these 30 MiB runs; scripts/matrix.py checks the 10 % at realistic sizes)."""
     from flexoffload import api
-    from flexoffload.plan import planners
-    from flexoffload.gguf import synth
     from flexoffload.bench.sweep import DEFAULT_PROMPT
+    from flexoffload.plan import planners
 
     path = synth.write(tmp_path / f"{shape}.gguf", synth.SHAPES[shape])
     m = load(path)
-    floor = planners.run_minimum(m, 512, 64)
+    floor = planners.run_minimum(m, footprint.measure(m, 512, 64))
     for budget in (floor, floor + m.weight_bytes // 2):
         request = api.Request(model=str(path), prompt=DEFAULT_PROMPT * 2, n_predict=8, n_ctx=512, n_batch=64,
                               temp=0, mem=str(budget), strategy="stream")
         prepared = api.prepare(request)
         predicted = prepared.plan.memory.unreclaimable
         measured = api.run_in_cgroup(prepared, budget + (512 << 20), timeout=300)["peak_unreclaimable_mb"] * (1 << 20)
-        assert measured <= predicted <= 1.1 * measured + footprint.KERNEL_FIXED, \
+        assert measured <= predicted <= 1.1 * measured + KERNEL_FIXED, \
             (shape, budget, predicted / (1 << 20), measured / (1 << 20))

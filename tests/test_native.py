@@ -26,7 +26,7 @@ def test_prompt_processing_with_repacking_does_not_crash(real_model):
 LOGITS_ALONE_AND_IN_A_PAIR = """
 import sys
 import numpy as np
-from flexoffload import engine
+from flexoffload.runtime import engine
 s = engine.Settings(n_ctx=1024, n_batch=1024, temp=0.0, n_threads=2, strategy="mmap")
 with engine.Engine(sys.argv[1], s) as e:
     history = [10 + i % 300 for i in range({history})]
@@ -43,7 +43,7 @@ print(float(np.abs(out[0] - out[1]).max()))
 LOGITS_ON_ONE_THREAD_AND_TWO = """
 import sys
 import numpy as np
-from flexoffload import engine
+from flexoffload.runtime import engine
 out = []
 for n_threads in (1, 2):
     s = engine.Settings(n_ctx=1024, n_batch=1024, temp=0.0, n_threads=n_threads, strategy="mmap")

@@ -76,11 +76,10 @@ def test_the_best_bandwidth_is_kept_per_device_and_only_raised(tmp_path, monkeyp
     assert profile.best_disk_bw(f) == 2.1e9
     assert profile.best_disk_bw(tmp_path / "missing.gguf") == 0.0
 
-    class Fake:
-        path = f
-    slow = Profile(disk_bw=1.0e9)
-    assert planners.ceiling(Fake, slow) == replace(slow, disk_bw=2.1e9)
-    assert planners.ceiling(Fake, Profile(disk_bw=3e9)).disk_bw == 3e9
+    # a profile carries the device's best (measure sets it from best_disk_bw); the roofline's is the higher
+    slow = Profile(disk_bw=1.0e9, peak_disk_bw=profile.best_disk_bw(f))
+    assert planners.ceiling(slow) == replace(slow, disk_bw=2.1e9)
+    assert planners.ceiling(Profile(disk_bw=3e9, peak_disk_bw=profile.best_disk_bw(f))).disk_bw == 3e9
 
 
 def _timings(gb_s: float, stall_share: float, n_bytes: int = 1 << 30, buffered: int = 0) -> dict:

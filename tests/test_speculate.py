@@ -252,14 +252,16 @@ def test_real_verification_pass_without_tiled_kernels_equals_one_token_passes(re
 def test_real_draft_reads_its_token_embd_by_rows(draft_model):
     """The 0.5B draft has an output matrix of its own, so its token_embd (89 MiB) is only looked up: it is read a
     row per token, never kept, and the draft's tokens are those of the draft loaded whole."""
-    from flexoffload.memory import budget
-    from flexoffload.plan import costmodel
+    from flexoffload.measure import footprint
     from flexoffload.native import stream
+    from flexoffload.plan import costmodel
+    from flexoffload.plan.planners import resident_bytes
 
     model = load(draft_model)
     assert speculate.draft_by_rows(model) == ["token_embd.weight"]
     embd = next(t for t in model.tensors if t.name == "token_embd.weight")
-    kept = budget.resident_bytes(model, 512, 64, 16) - budget.resident_bytes(model, 512, 64, 16, by_rows=[embd.name])
+    run = footprint.measure(model, 512, 64, 16)
+    kept = resident_bytes(model, run) - resident_bytes(model, run, by_rows=[embd.name])
     assert kept == embd.n_bytes - costmodel.rows_memory(embd)
     base = engine.Settings(n_ctx=512, n_batch=64, temp=0.0, strategy="mmap")
     ref = _alone(draft_model, base, PROMPTS[0], 16)

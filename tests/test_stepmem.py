@@ -1,6 +1,7 @@
-"""Per-step memory (stepmem.py): llama.cpp's dry run reports what a real context allocates, ubatch and attention
-path change the compute buffer as the graph says, the longest prompt a budget holds is the last that fits, and a
-prefill in smaller ubatches gives the same greedy tokens."""
+"""Per-step memory (memory/stepmem.py, measure/stepmem.py): llama.cpp's dry run reports what a real context
+allocates, ubatch and attention path change the compute buffer as the graph says, the longest prompt a budget holds
+is the last that fits, and a prefill in ubatches of 16 and of 32 gives the greedy tokens of one pass over the whole
+prompt."""
 
 import dataclasses
 import json
@@ -9,10 +10,11 @@ import pytest
 
 from conftest import cli
 from flexoffload import api
-from flexoffload.memory import footprint
-from flexoffload.memory import stepmem
 from flexoffload.gguf import synth
 from flexoffload.gguf.model import load
+from flexoffload.measure import footprint
+from flexoffload.measure import stepmem as measured_stepmem
+from flexoffload.memory import stepmem
 
 
 @pytest.fixture(scope="module")
@@ -24,13 +26,14 @@ def qwen2(tmp_path_factory):
 
 def test_the_dry_run_reports_what_a_real_context_allocates(qwen2):
     real = footprint.measure(qwen2, 256, 64)  # a context made for real, weights streamed
-    dry = stepmem.buffers(qwen2, [stepmem.Setting(256, 64, "auto")])[0]
+    dry = measured_stepmem.buffers(qwen2, [stepmem.Setting(256, 64, "auto")])[0]
     assert (dry.kv_cache, dry.compute) == (real.kv_cache, real.compute)
 
 
 def test_ubatch_and_attention_path_size_the_compute_buffer(qwen2):
-    small, large, off = stepmem.buffers(qwen2, [stepmem.Setting(512, 32, "on"), stepmem.Setting(512, 256, "on"),
-                                                 stepmem.Setting(512, 256, "off")])
+    small, large, off = measured_stepmem.buffers(qwen2, [stepmem.Setting(512, 32, "on"),
+                                                          stepmem.Setting(512, 256, "on"),
+                                                          stepmem.Setting(512, 256, "off")])
     assert small.kv_cache == large.kv_cache == off.kv_cache  # the cache is the context's, whatever the ubatch
     assert small.compute < large.compute < off.compute  # without flash attention the scores are held whole
     assert stepmem.work_bytes(qwen2, 256, 512, False) >= 2 * 512 * 256 * qwen2.n_head > \
@@ -40,10 +43,10 @@ def test_ubatch_and_attention_path_size_the_compute_buffer(qwen2):
 
 
 def test_the_longest_prompt_is_the_last_that_fits(qwen2):
-    floor = stepmem.minimum(qwen2, stepmem.Setting(stepmem.CELLS, 32))
+    floor = measured_stepmem.minimum(qwen2, stepmem.Setting(stepmem.CELLS, 32))
     sizes = [floor + (2 << 20), floor + (5 << 20), floor + (9 << 20)]
-    assert stepmem.max_prompt(qwen2, floor - (1 << 20)) is None
-    found = [stepmem.max_prompt(qwen2, b) for b in sizes]
+    assert measured_stepmem.max_prompt(qwen2, floor - (1 << 20)) is None
+    found = [measured_stepmem.max_prompt(qwen2, b) for b in sizes]
     assert all(f is not None for f in found)
     lengths = [f.n_prompt for f in found]
     assert lengths == sorted(lengths) and lengths[0] < lengths[-1]
@@ -51,7 +54,7 @@ def test_the_longest_prompt_is_the_last_that_fits(qwen2):
         assert f.minimum <= budget
         if f.n_prompt + stepmem.CELLS <= qwen2.n_ctx_train:
             longer = stepmem.Setting(f.n_prompt + stepmem.CELLS, 32)
-            assert stepmem.minimum(qwen2, longer, stepmem.run_costs(qwen2, longer, budget)) > budget
+            assert measured_stepmem.minimum(qwen2, longer, measured_stepmem.run_costs(qwen2, longer, budget)) > budget
     r = cli("plan", "-m", str(qwen2.path), "--max-prompt", "--mem", str(sizes[1]), "--json", check=True)
     assert json.loads(r.stdout)["longest"]["n_prompt"] == lengths[1]
     r = cli("plan", "-m", str(qwen2.path), "--prompt-len", str(qwen2.n_ctx_train + 1), "--mem", "80M")
@@ -67,10 +70,10 @@ def test_a_quantized_kv_cache_holds_a_longer_prompt(tmp_path):
     # heads of 128 (q8_0's blocks are 32 values)
     shape = synth.Shape(n_layer=4, n_embd=512, n_ff=1024, n_head=4, n_head_kv=2, n_vocab=384, n_ctx_train=4096)
     model = load(synth.write(tmp_path / "heads128.gguf", shape))
-    floor = stepmem.minimum(model, stepmem.Setting(stepmem.CELLS, 32))
+    floor = measured_stepmem.minimum(model, stepmem.Setting(stepmem.CELLS, 32))
     budget = floor + (5 << 20)
-    f16 = stepmem.max_prompt(model, budget)
-    q8 = stepmem.max_prompt(model, budget, type_k="q8_0", type_v="q8_0")
+    f16 = measured_stepmem.max_prompt(model, budget)
+    q8 = measured_stepmem.max_prompt(model, budget, type_k="q8_0", type_v="q8_0")
     assert q8.kv_cache < f16.kv_cache * q8.n_prompt / f16.n_prompt
     assert q8.n_prompt > f16.n_prompt or q8.n_prompt + stepmem.CELLS > model.n_ctx_train
     r = cli("plan", "-m", str(model.path), "--max-prompt", "--mem", str(budget), "-ctk", "q8_0", "-ctv", "q8_0",
@@ -80,13 +83,20 @@ def test_a_quantized_kv_cache_holds_a_longer_prompt(tmp_path):
     assert r.returncode == 1 and "needs flash attention" in r.stderr and len(r.stderr.strip().splitlines()) == 1
 
 
-def test_a_prefill_in_smaller_ubatches_gives_the_same_tokens(tmp_path, qwen2):
+def test_a_prefill_in_ubatches_of_16_and_of_32_gives_the_tokens_of_one_whole_batch(tmp_path, qwen2):
+    """The prompt (over 64 tokens) computed in one pass (batch and ubatch of 256), and in batches of 64 split into
+    ubatches of 16 and of 32, with mmap and streamed under 60M: the same greedy tokens."""
     prompt = " ".join(f"w{i}" for i in range(60))
-    base = api.Request(model=str(qwen2.path), prompt=prompt, n_predict=8, temp=0, n_ctx=256, n_batch=64, n_ubatch=16,
-                       flash_attn="on")
-    mmap = api.generate(dataclasses.replace(base, strategy="mmap"))
-    streamed = api.generate(dataclasses.replace(base, strategy="stream", mem="60M"))
-    assert streamed["tokens"] == mmap["tokens"] and streamed["n_prompt"] > 64
+    whole = api.generate(api.Request(model=str(qwen2.path), prompt=prompt, n_predict=8, temp=0, n_ctx=256, n_batch=256,
+                                     n_ubatch=256, flash_attn="on", strategy="mmap"))
+    assert 64 < whole["n_prompt"] <= 256 - 8 and len(whole["tokens"]) == 8
+    for ubatch in (16, 32):
+        base = api.Request(model=str(qwen2.path), prompt=prompt, n_predict=8, temp=0, n_ctx=256, n_batch=64,
+                           n_ubatch=ubatch, flash_attn="on")
+        mmap = api.generate(dataclasses.replace(base, strategy="mmap"))
+        streamed = api.generate(dataclasses.replace(base, strategy="stream", mem="60M"))
+        assert streamed["tokens"] == mmap["tokens"] == whole["tokens"], ubatch
+        assert streamed["n_prompt"] == whole["n_prompt"] > 64
 
 
 def test_a_prompt_too_long_is_refused_before_loading(qwen2, tmp_path):
@@ -102,7 +112,7 @@ def test_a_prompt_too_long_is_refused_before_loading(qwen2, tmp_path):
 
 
 def test_a_long_prompt_gets_its_ubatch_chosen_and_the_same_tokens(qwen2, monkeypatch):
-    from flexoffload.plan import prefill
+    from flexoffload.measure import prefill
 
     monkeypatch.setattr(api, "LONG_PROMPT", 32)
     prompt = " ".join(f"w{i}" for i in range(150))

@@ -53,10 +53,11 @@ def test_stream_everything_matches_mmap(streamable_model, strategy):
 def test_every_policy_matches_mmap_under_a_budget(streamable_model, policy):
     m = load(streamable_model)
     base = run_json(streamable_model, "a b c", 8, "--strategy", "mmap")
+    from flexoffload.measure import footprint
     from flexoffload.memory import budget as budgets
 
     # runtime, KV cache and compute buffers, then half the weights for resident tensors and the window
-    budget = budgets.holding(m, m.weight_bytes // 2, 512, 512)
+    budget = budgets.holding(m, m.weight_bytes // 2, footprint.measure(m, 512, 512))
     out = run_json(streamable_model, "a b c", 8, "--mem", str(budget), "--policy", policy)
     assert out["strategy"] == "stream" and out["plan"]["policy"] == policy
     assert out["tokens"] == base["tokens"]
@@ -90,17 +91,27 @@ def test_real_model_greedy_matches_mmap(real_model, strategy):
 
 
 @pytest.mark.integration
-def test_real_model_stream_under_enforced_budget(real_model):
-    """At 0.4x compute waits on the disk most of the time: the run's read bandwidth joins the runs plans predict
-    with (profile.typical_disk_bw)."""
+def test_real_model_stream_under_enforced_budget_records_what_it_read(real_model):
+    """At 0.4x, enforced: the run stays in its budget, reads nothing twice, all with O_DIRECT, and reports what it
+    read to the disk's record: its bandwidth (its bytes over its read time) raises the device's best, and joins the
+    runs plans predict with exactly when its compute waited on reads for IO_BOUND_SHARE of that time. Which of the
+    two it was depends on how busy the machine is, so either is accepted, each checked for what it implies."""
     from flexoffload.measure import profile
 
+    before = profile.seen_disk_bw(real_model)
     out = run_json(real_model, PROMPT, 16, "--mem", "0.4x", "--enforce")
     size_mb = real_model.stat().st_size / 2**20
     assert out["enforced"] and out["strategy"] == "stream"
     assert out["peak_mem_mb"] <= 0.4 * size_mb + 1
-    assert out["timings"]["stream_rereads"] == 0 and out["timings"]["stream_direct"] > 0
-    assert profile.seen_disk_bw(real_model)[-1] == pytest.approx(out["timings"]["stream_read_gb_s"] * 1e9)
+    t = out["timings"]
+    assert t["stream_rereads"] == 0 and t["stream_direct"] == t["stream_reads"] > 0
+    assert t["stream_bytes_read"] >= profile.SUSTAINED_BYTES  # long enough to say something of the disk
+    read_bw = t["stream_read_gb_s"] * 1e9
+    assert profile.best_disk_bw(real_model) >= read_bw * (1 - 1e-9)
+    if t["stream_stall_s"] >= profile.IO_BOUND_SHARE * t["stream_bytes_read"] / read_bw:
+        assert profile.seen_disk_bw(real_model) == pytest.approx((before + [read_bw])[-profile.SEEN_KEEP:])
+    else:
+        assert profile.seen_disk_bw(real_model) == before
 
 
 @pytest.mark.integration
@@ -183,9 +194,11 @@ def test_streamed_token_embd_reads_only_its_rows(streamable_model, window):
 # and generates again; then restores the file and generates once more. Prints what happened as JSON.
 _TRUNCATE_MID_RUN = r"""
 import json, os, shutil, sys
-from flexoffload import FlexoffloadError, engine, plan as plans
-from flexoffload.model import load
-from flexoffload.planners import always_resident
+from flexoffload import FlexoffloadError
+from flexoffload.gguf.model import load
+from flexoffload.plan import plan as plans
+from flexoffload.plan.planners import always_resident
+from flexoffload.runtime import engine
 
 src, path, window = sys.argv[1], sys.argv[2], int(sys.argv[3])
 shutil.copyfile(src, path)
@@ -231,9 +244,11 @@ def test_read_error_mid_run_is_reported_not_fatal(streamable_model, tmp_path, wi
 # a generation, what the resident and streamed tensors weigh, and the run's resident_locked.
 _LOCKED = r"""
 import json, resource, sys
-from flexoffload import engine, plan as plans, stream
-from flexoffload.model import load
-from flexoffload.planners import always_resident
+from flexoffload.gguf.model import load
+from flexoffload.native import stream
+from flexoffload.plan import plan as plans
+from flexoffload.plan.planners import always_resident
+from flexoffload.runtime import engine
 
 def vmlck():
     for line in open("/proc/self/status"):
@@ -283,9 +298,11 @@ def test_resident_tensors_are_locked_streamed_ones_not(streamable_model):
 # the sum. Only the first one decodes.
 _TWO_MODELS = r"""
 import json, sys, time
-from flexoffload import engine, plan as plans, stream
-from flexoffload.model import load
-from flexoffload.planners import always_resident
+from flexoffload.gguf.model import load
+from flexoffload.native import stream
+from flexoffload.plan import plan as plans
+from flexoffload.plan.planners import always_resident
+from flexoffload.runtime import engine
 
 path = sys.argv[1]
 m = load(path)

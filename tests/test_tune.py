@@ -3,10 +3,11 @@
 import json
 
 from conftest import cli
-from flexoffload.memory import budget as budgets
 from flexoffload.gguf import synth
-from flexoffload.measure import tune
 from flexoffload.gguf.model import load
+from flexoffload.measure import footprint
+from flexoffload.measure import tune
+from flexoffload.memory import budget as budgets
 
 STREAMABLE = synth.Shape(n_layer=4, n_embd=1024, n_ff=2816, n_head=8, n_head_kv=4, n_vocab=384, n_ctx_train=1024)
 
@@ -15,7 +16,7 @@ def test_tune_measures_the_candidates_keeps_the_fastest_and_run_uses_it(tmp_path
     monkeypatch.setenv("FLEXOFFLOAD_CACHE", str(tmp_path / "cache"))  # the children inherit it
     path = synth.write(tmp_path / "streamable.gguf", STREAMABLE)
     m = load(path)
-    mem = budgets.holding(m, m.weight_bytes * 3 // 4, 512, 512)
+    mem = budgets.holding(m, m.weight_bytes * 3 // 4, footprint.measure(m, 512, 512))
     out = json.loads(cli("plan", "-m", str(path), "--mem", str(mem), "-c", "512", "-o", str(tmp_path / "plan"),
                          "--tune", "2", "--tune-rounds", "1", "--json", check=True).stdout)
     tuning = out["tuning"]
@@ -57,8 +58,9 @@ def test_a_run_whose_tuned_choice_is_mmap_says_so_and_runs_mmap(tmp_path, monkey
     monkeypatch.setenv("FLEXOFFLOAD_CACHE", str(tmp_path / "cache"))
     path = synth.write(tmp_path / "streamable.gguf", STREAMABLE)
     m = load(path)
-    mem = budgets.holding(m, m.weight_bytes * 3 // 4, 512, 512)
-    best = tune.candidates(m, mem, measure(m, 2), 512, 512, 1)[0]
+    run = footprint.measure(m, 512, 512)
+    mem = budgets.holding(m, m.weight_bytes * 3 // 4, run)
+    best = tune.candidates(m, mem, measure(m, 2), run, 1)[0]
     tuning = ({"policy": best.policy, "window": best.window, "predicted_tok_s": best.predicted_tok_s,
                "measured_tok_s": 2.0, "runs": [2.0], "error": ""},
               {"policy": "mmap", "window": 0, "predicted_tok_s": 0.0, "measured_tok_s": 3.0, "runs": [3.0], "error": ""})

@@ -180,7 +180,7 @@ def plan(model_spec, mem, policy, rpc, placement, ctx_size, batch_size, threads,
     from flexoffload.measure import profile as profiler
     from flexoffload.plan import mixed
     from flexoffload.plan import plan as plans
-    from flexoffload.plan.planners import plan_budget
+    from flexoffload.plan.planners import check_budget, plan_budget
 
     model = load(catalog.resolve(model_spec))
     if max_prompt or prompt_len is not None:
@@ -189,11 +189,22 @@ def plan(model_spec, mem, policy, rpc, placement, ctx_size, batch_size, threads,
     if out_dir is None:
         raise FlexoffloadError("plan writes its files to -o DIR")
     mixed.check_options(precision, max_kld, min_tok_s, original)
+    # what can be refused is refused before anything is measured
+    if precision and (rpc or tune_best is not None or policy != "balanced" or window is not None):
+        raise FlexoffloadError("--precision auto plans with the balanced policy: not with --rpc, --tune, "
+                               "--policy or --window, for now")
+    if precision and original:
+        from flexoffload.plan import precision as precisions
+
+        precisions.check_original(model, Path(original))
+    if tune_best is not None and (tune_best < 1 or tune_rounds < 1 or policy != "balanced" or window is not None):
+        raise FlexoffloadError("--tune takes N >= 1 and --tune-rounds >= 1; it chooses the policy and window")
+    budget = None if rpc else budgets.parse_size(mem, model.file_size)
+    run = None if rpc else footprint.measure(model, ctx_size, batch_size)
+    if budget is not None and not precision:
+        check_budget(model, budget, run, window)
     profile = profiler.measure(model, threads)
     if precision:
-        if rpc or tune_best is not None or policy != "balanced" or window is not None:
-            raise FlexoffloadError("--precision auto plans with the balanced policy: not with --rpc, --tune, "
-                                   "--policy or --window, for now")
         _plan_precision(model, budgets.parse_size(mem, model.file_size), profile, ctx_size, batch_size, threads,
                         io_threads, max_kld, min_tok_s, original, out_dir, as_json)
         return
@@ -201,17 +212,13 @@ def plan(model_spec, mem, policy, rpc, placement, ctx_size, batch_size, threads,
         _plan_placement(model, rpc, mem, placement, profile, threads, ctx_size, batch_size, io_threads, out_dir,
                         as_json)
         return
-    budget = budgets.parse_size(mem, model.file_size)
     if tune_best is not None:
         from flexoffload import api
 
-        if tune_best < 1 or tune_rounds < 1 or policy != "balanced" or window is not None:
-            raise FlexoffloadError("--tune takes N >= 1 and --tune-rounds >= 1; it chooses the policy and window")
         p = api.tune(model, budget, profile, ctx_size, batch_size, tune_best, tune_rounds,
                      echo=None if as_json else lambda msg: click.echo(msg, err=True))
     else:
-        p = plan_budget(model, budget, policy, profile, footprint.measure(model, ctx_size, batch_size),
-                        window=window, io_threads=io_threads)
+        p = plan_budget(model, budget, policy, profile, run, window=window, io_threads=io_threads)
     plans.write(p, out_dir)
     if as_json:
         click.echo(json.dumps(p.to_dict()))

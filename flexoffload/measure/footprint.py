@@ -32,9 +32,9 @@ from flexoffload.defaults import cache_dir, file_key, write_atomic
 from flexoffload.memory.budget import MiB
 from flexoffload.memory.footprint import Footprint
 
-# The probe's process is a run's: it loads what `flexoffload run` and an enforced run's child load (by name, as the
-# console script and `python -m` do), so the runtime it measures is a run's.
-RUN_MODULES = ("flexoffload.cli.run", "flexoffload.api")
+# The probe's process is a run's: it loads what an enforced run's child (`python -m flexoffload.api`) has loaded by
+# the time llama.cpp loads the model (by name, as `python -m` does), so the runtime it measures is a run's.
+RUN_MODULES = ("flexoffload.api", "flexoffload.plan.planners", "flexoffload.measure.profile", "flexoffload.plan.plan")
 
 # "llama_kv_cache:        CPU KV buffer size =    28.00 MiB" (one line per cache: an ISWA model has two),
 # "llama_context:        CPU compute buffer size =    67.01 MiB", "llama_context:        CPU  output buffer size = ..."

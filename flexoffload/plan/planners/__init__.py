@@ -264,11 +264,17 @@ def plan_budget(model: Model, budget: int, policy: str, profile: Profile, run: F
     """make_plan with what a run takes beside the weights at its settings, run (the Footprint llama.cpp reports and
     the probe measures: measure.footprint); draft is what a resident draft model takes (resident_bytes), counted
     with the overhead."""
+    check_budget(model, budget, run, window, draft)
+    return make_plan(model, budget, policy, profile, window=window, io_threads=io_threads,
+                     **costs(run, draft, budget))
+
+
+def check_budget(model: Model, budget: int, run: Footprint, window: int | None = None, draft: int = 0) -> None:
+    """Refuse a budget below what plan_budget needs (a one-line error naming the minimum): before anything is
+    measured for the plan."""
     # the slack grows with the budget: the minimum is the smallest budget that holds its own
     floor = smallest_budget(minimum_budget(model, window, **costs(run, draft)))
     refuse_below(model, budget, floor, min(AUTO_WINDOWS) if window is None else window)
-    return make_plan(model, budget, policy, profile, window=window, io_threads=io_threads,
-                     **costs(run, draft, budget))
 
 
 def run_minimum(model: Model, run: Footprint) -> int:
