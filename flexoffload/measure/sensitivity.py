@@ -238,6 +238,7 @@ def _same_share(a: list[list[int]], b: list[list[int]]) -> float:
 # One measurement (a group requantized, its KL divergence and UQEst) took about 35 s on the 1.5B's 1.06 GB file
 # here (issue 17's profile: 94 in 55 min): the estimate before a profile scales it by the file's size.
 SECONDS_PER_GB = 33.0
+SECONDS_FIXED = 0.15  # and a small model's: the tools' start (measured: 32 in 5 s for a 1 MB model)
 
 
 def measure(model: Model, n_groups: int = N_GROUPS, ladder: tuple[str, ...] = precision.LADDER,
@@ -265,7 +266,7 @@ def measure(model: Model, n_groups: int = N_GROUPS, ladder: tuple[str, ...] = pr
         log.info("measuring how %s takes lower precision: %d groups of tensors at each lower type, %d measurements "
                  "of %d left, %s here (cached as they go: an interrupted run resumes; `flexoffload profile "
                  "--precision -m %s` does it ahead)", model.path.name, n_groups, left, len(work),
-                 about(left * SECONDS_PER_GB * model.file_size / 1e9), model.path)
+                 about(left * (SECONDS_FIXED + SECONDS_PER_GB * model.file_size / 1e9)), model.path)
     started, done = time.monotonic(), 0
     for g, ty in work:
         if cached.row(g.name, ty) is not None:

@@ -19,7 +19,7 @@ from flexoffload import FlexoffloadError
 from flexoffload.defaults import cache_dir, file_key, write_atomic
 from flexoffload.gguf.model import Model
 from flexoffload.measure.footprint import child_json, measure
-from flexoffload.memory.budget import MiB
+from flexoffload.memory.budget import MiB, format_size
 from flexoffload.memory.footprint import slack, smallest_budget
 from flexoffload.memory.stepmem import CELLS, UBATCHES, Buffers, Setting, cells_for, work_bytes
 from flexoffload.plan.planners import minimum_budget
@@ -43,9 +43,6 @@ def buffers(model: Model, settings: list[Setting]) -> list[Buffers]:
     except (OSError, ValueError):
         known = {}
     missing = [s for s in settings if s.key() not in known]
-    if len(missing) > 4:
-        log.info("asking llama.cpp for the buffers of %d contexts of %s (a dry run: nothing is read; cached)",
-                 len(missing), model.path.name)
     if missing:
         cmd = [sys.executable, "-m", "flexoffload.measure.stepmem", str(model.path),
                json.dumps([asdict(s) for s in missing])]
@@ -170,6 +167,9 @@ def max_prompt(model: Model, budget: int, n_predict: int = 0, flash_attn: str = 
     not even the shortest fits. One dry run answers a sweep of contexts for every ubatch (_knots), the search
     interpolates between them, and the answer is asked of llama.cpp itself (stepping to the last length that fits)."""
     knots = _knots(model)
+    log.info("finding the longest prompt %s holds in %s: llama.cpp's buffers for %d contexts at each of %d ubatches "
+             "(dry runs: nothing is read; cached), a few seconds to a minute", model.path.name, format_size(budget),
+             len(knots), len(UBATCHES))
     sweep = {u: buffers(model, [Setting(c, min(u, c), flash_attn, type_k, type_v) for c in knots])
              for u in UBATCHES}
     base = measure(model, CELLS * 2, 64)

@@ -125,7 +125,7 @@ def tune(model, budget: int, profile, run, timed: Callable[[dict], float], n_ctx
     plan_list.append(mmap_candidate(model, budget, plan_list[0]))
     # a run: starting and loading (a few seconds), a prompt, the tokens at about the predicted speed
     seconds = rounds * sum(5 + 8 / max(p.predicted_tok_s or plan_list[0].predicted_tok_s, 0.1) for p in plan_list)
-    log.info("--tune runs %d candidate plans %d times each, cold under the enforced budget, in turn: %s (the "
+    log.info("--tune runs %d candidate plans cold under the enforced budget, in turn, %d round(s): %s (the "
              "choice is cached: `run --mem` streams by it)", len(plan_list), rounds, about(seconds))
     speeds: list[list[float]] = [[] for _ in plan_list]
     errors = [""] * len(plan_list)
