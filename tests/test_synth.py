@@ -8,8 +8,9 @@ from flexoffload.runtime import engine
 from flexoffload.gguf import synth
 from flexoffload.gguf.model import load
 
-TINY_SHAPES = ["tiny", "llama-gqa-tiny", "qwen2-tiny", "gemma3-tiny", "gemma3-tiny-256k", "phi3-tiny"]
-REALISTIC_SHAPES = ["llama2-7b", "llama-gqa-3b", "qwen2-1.5b", "gemma3-1b", "phi3-mini"]
+TINY_SHAPES = ["tiny", "llama-gqa-tiny", "qwen2-tiny", "gemma3-tiny", "gemma3-tiny-256k", "phi3-tiny",
+               "llama-moe-tiny", "qwen3moe-tiny"]
+REALISTIC_SHAPES = ["llama2-7b", "llama-gqa-3b", "qwen2-1.5b", "gemma3-1b", "phi3-mini", "llama-moe-1b", "qwen3moe-2b"]
 
 
 def kinds_of_layer(m, layer):
@@ -30,7 +31,12 @@ def test_tensor_table(name, tmp_path):
     for i in range(1, m.n_layer):
         assert kinds_of_layer(m, i) == kinds_of_layer(m, 0)
     layer = kinds_of_layer(m, 0)
-    if s.arch == "llama":
+    if s.n_expert:  # a router and gate, up and down of every expert in place of the FFN (qwen3moe: q/k norms too)
+        norms = ["norm"] * (4 if s.arch == "qwen3moe" else 2)
+        assert layer == sorted(norms + ["attn_q", "attn_k", "attn_v", "attn_output", "router"] + ["expert"] * 3)
+        down = next(t for t in m.tensors if t.name == "blk.0.ffn_down_exps.weight")
+        assert down.shape == (s.expert_width, s.n_embd, s.n_expert)  # ggml's order: an expert is ne[2]
+    elif s.arch == "llama":
         assert layer == sorted(["norm", "attn_q", "attn_k", "attn_v", "attn_output", "norm",
                                 "ffn_gate", "ffn_up", "ffn_down"])
     elif s.arch == "qwen2":

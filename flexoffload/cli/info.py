@@ -26,7 +26,8 @@ def info(model_spec, as_json):
             "path": str(model.path), "name": model.name, "arch": model.arch, "file_size": model.file_size,
             "weight_bytes": model.weight_bytes, "n_layer": model.n_layer, "n_embd": model.n_embd,
             "n_head": model.n_head, "n_head_kv": model.n_head_kv, "n_ff": model.n_ff, "n_vocab": model.n_vocab,
-            "n_ctx_train": model.n_ctx_train,
+            "n_ctx_train": model.n_ctx_train, "n_expert": model.n_expert, "n_expert_used": model.n_expert_used,
+            "routed_bytes": model.routed_bytes,
             "layers": {str(i): model.layer_bytes(i) for i in layers},
             "tensors": [{"name": t.name, "layer": t.layer, "kind": t.kind, "type": t.type, "shape": list(t.shape),
                          "bytes": t.n_bytes, "offset": t.offset} for t in model.tensors],
@@ -36,6 +37,9 @@ def info(model_spec, as_json):
     click.echo(f"{model.name} ({model.arch}): {model.path}")
     click.echo(f"{model.n_layer} layers, n_embd {model.n_embd}, heads {model.n_head} (kv {model.n_head_kv}), "
                f"n_ff {model.n_ff}, vocab {model.n_vocab}, trained context {model.n_ctx_train}")
+    if model.n_expert:
+        click.echo(f"a mixture of experts: {model.n_expert_used} of {model.n_expert} experts a token, per layer; "
+                   f"one token reads {format_size(model.routed_bytes)} of {format_size(model.weight_bytes)}")
     click.echo(f"{'tensor':<28} {'kind':<12} {'type':<6} {'shape':<16} {'size':>12} {'offset':>12}")
     for layer in [None, *layers]:
         tensors = sorted(model.layer_tensors(layer), key=lambda t: (order[t.kind], t.name))
@@ -52,4 +56,5 @@ def info(model_spec, as_json):
         if n:
             click.echo(f"{kind:<28} {format_size(n):>12}")
     click.echo(f"total: {len(model.tensors)} tensors, {format_size(model.weight_bytes)} of weights, "
-               f"file {format_size(model.file_size)}")
+               f"file {format_size(model.file_size)}"
+               + (f"; a token reads {format_size(model.routed_bytes)}" if model.n_expert else ""))

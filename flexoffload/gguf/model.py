@@ -18,7 +18,7 @@ GGUF_MAGIC = b"GGUF"
 # The kinds a tensor can be, in the order `info` lists them within a layer.
 KINDS = (
     "token_embd", "attn_q", "attn_k", "attn_v", "attn_output",
-    "ffn_gate", "ffn_up", "ffn_down", "norm", "bias", "output", "other",
+    "ffn_gate", "ffn_up", "ffn_down", "router", "expert", "norm", "bias", "output", "other",
 )
 
 _LAYER = re.compile(r"^blk\.(\d+)\.(.+)$")
@@ -49,10 +49,24 @@ class Model:
     n_vocab: int
     n_ctx_train: int
     tensors: list[Tensor] = field(default_factory=list)
+    n_expert: int = 0  # a mixture of experts: experts per layer (0: dense)
+    n_expert_used: int = 0  # experts a token routes to per layer
 
     @property
     def weight_bytes(self) -> int:
         return sum(t.n_bytes for t in self.tensors)
+
+    def token_bytes(self, t: Tensor) -> int:
+        """The bytes of t one token reads: an expert tensor's routed experts' slices (n_expert_used of its
+        n_expert equal slices), any other tensor whole."""
+        if t.kind == "expert" and self.n_expert:
+            return t.n_bytes // self.n_expert * self.n_expert_used
+        return t.n_bytes
+
+    @property
+    def routed_bytes(self) -> int:
+        """The weights one token reads: every dense tensor, and of each expert tensor the routed experts."""
+        return sum(self.token_bytes(t) for t in self.tensors)
 
     @property
     def tied_embeddings(self) -> bool:
@@ -79,6 +93,10 @@ def tensor_kind(name: str) -> tuple[str, int | None]:
         return "norm", layer
     if base in KINDS:
         return base, layer
+    if base.endswith("_exps"):  # ffn_{gate,up,down}_exps, ffn_gate_up_exps: one slice an expert
+        return "expert", layer
+    if base == "ffn_gate_inp":  # the router's matrix
+        return "router", layer
     if base == "attn_qkv":
         return "attn_q", layer
     return "other", layer
@@ -125,6 +143,9 @@ def load(path: str | os.PathLike) -> Model:
     if not tensors:
         raise FlexoffloadError(f"GGUF file has no tensors: {path}")
 
+    n_expert = int(field_value(f"{arch}.expert_count", 0) or 0)
+    n_expert_used = int(field_value(f"{arch}.expert_used_count", 0) or 0)
+    _check_experts(path, tensors, n_expert, n_expert_used)
     n_head = int(field_value(f"{arch}.attention.head_count", 1) or 1)
     n_embd = int(field_value(f"{arch}.embedding_length", 0) or 0)
     token_embd = next((t for t in tensors if t.name == "token_embd.weight"), None)
@@ -142,7 +163,24 @@ def load(path: str | os.PathLike) -> Model:
         n_vocab=n_vocab,
         n_ctx_train=int(field_value(f"{arch}.context_length", 0) or 0),
         tensors=tensors,
+        n_expert=n_expert,
+        n_expert_used=n_expert_used,
     )
+
+
+def _check_experts(path: Path, tensors: list[Tensor], n_expert: int, n_expert_used: int) -> None:
+    """A mixture of experts the header and the tensors agree on: a token routes to at most every expert, and
+    each expert tensor is n_expert equal slices (ggml's ne[2]), so an expert is one contiguous read."""
+    experts = [t for t in tensors if t.kind == "expert"]
+    if not experts:
+        return
+    if n_expert < 1 or not 0 < n_expert_used <= n_expert:
+        raise FlexoffloadError(f"{path.name} has expert tensors, but routes to {n_expert_used} of {n_expert} experts "
+                               f"a token: expert_used_count must be between 1 and expert_count")
+    for t in experts:
+        if len(t.shape) != 3 or t.shape[2] != n_expert or t.n_bytes % n_expert:
+            raise FlexoffloadError(f"{path.name}: expert tensor {t.name} (shape {'x'.join(map(str, t.shape))}) is not "
+                                   f"{n_expert} equal slices, one an expert")
 
 
 # --- a GGUF header reader ---------------------------------------------------------------------

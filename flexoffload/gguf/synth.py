@@ -1,8 +1,10 @@
 """Synthetic GGUF models of any shape, written with the gguf package: random weights, real shapes.
 
-Their text is noise, their timing is real. Four architectures as llama.cpp loads them: llama, qwen2 (q/k/v
-biases), gemma3 (tied embeddings, q/k norms, post-attention and post-FFN norms, sliding-window layers) and phi3
-(fused attn_qkv, gate and up fused in ffn_up). Every one gets the same small SentencePiece-style vocabulary (byte
+Their text is noise, their timing is real. Five architectures as llama.cpp loads them: llama, qwen2 (q/k/v
+biases), gemma3 (tied embeddings, q/k norms, post-attention and post-FFN norms, sliding-window layers), phi3
+(fused attn_qkv, gate and up fused in ffn_up), and two mixtures of experts: llama with experts (Mixtral's layout:
+a router, ffn_gate_inp, and ffn_{gate,up,down}_exps, one contiguous slice per expert) and qwen3moe (q/k norms,
+many small experts of their own width). Random weights route uniformly: the worst case for an expert cache. Every one gets the same small SentencePiece-style vocabulary (byte
 tokens plus filler pieces), so llama.cpp loads, tokenizes and generates with it; the output weights of the control
 and byte tokens are zero (token_embd's rows where the embeddings are tied), so greedy text is whole pieces, valid
 UTF-8. Tensor data is written one tensor at a time, so a 7B-shaped file never has to fit in memory.
@@ -18,7 +20,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import numpy as np
 
-ARCHS = ("llama", "qwen2", "gemma3", "phi3")
+ARCHS = ("llama", "qwen2", "gemma3", "phi3", "qwen3moe")
 ALIGNMENT = 32  # GGUF's default: each tensor's data starts on a multiple of it
 N_SPECIAL = 259  # <unk>, <s>, </s> and the 256 byte tokens: the first rows of the vocabulary
 
@@ -37,10 +39,23 @@ class Shape:
     sliding_window: int = 0  # gemma3: the window of its sliding layers (5 of every 6, llama.cpp's default)
     tied_embeddings: bool = False  # no output.weight: llama.cpp multiplies by token_embd instead
     rope_freq_base: float = 0.0  # 0: not written, llama.cpp's default (10000)
+    n_expert: int = 0  # a mixture of experts: experts per layer (0: a dense FFN)
+    n_expert_used: int = 0  # experts a token routes to per layer
+    n_ff_expert: int = 0  # an expert's FFN width (qwen3moe's expert_feed_forward_length; 0: n_ff)
 
     def __post_init__(self):
         if self.arch not in ARCHS:
             raise ValueError(f"arch must be one of {', '.join(ARCHS)}, not {self.arch}")
+        if self.n_expert and self.arch not in ("llama", "qwen3moe"):
+            raise ValueError("experts are written for llama (Mixtral's layout) and qwen3moe")
+        if self.arch == "qwen3moe" and not self.n_expert:
+            raise ValueError("qwen3moe is a mixture of experts: give n_expert")
+        if self.n_expert and not 0 < self.n_expert_used <= self.n_expert:
+            raise ValueError("n_expert_used must be between 1 and n_expert")
+
+    @property
+    def expert_width(self) -> int:
+        return self.n_ff_expert or self.n_ff
 
     @property
     def n_embd_head(self) -> int:
@@ -77,6 +92,17 @@ SHAPES: dict[str, Shape] = {
     "phi3-tiny": Shape(n_layer=3, n_embd=128, n_ff=256, n_head=4, n_head_kv=4, n_vocab=384, n_ctx_train=512,
                        arch="phi3"),
     # Phi-3-mini-4k
+    # Mixtral's layout at a small size (the MoE issue's model: 924 MiB at Q4_0), and a tiny one for tests
+    "llama-moe-tiny": Shape(n_layer=2, n_embd=128, n_ff=128, n_head=4, n_head_kv=2, n_vocab=384, n_ctx_train=512,
+                            n_expert=8, n_expert_used=2),
+    "llama-moe-1b": Shape(n_layer=16, n_embd=1024, n_ff=1024, n_head=16, n_head_kv=4, n_vocab=32000,
+                          n_ctx_train=4096, n_expert=32, n_expert_used=4),
+    # Qwen3-30B-A3B's pattern (128 small experts, 8 used, q/k norms) at a small size
+    "qwen3moe-tiny": Shape(n_layer=2, n_embd=128, n_ff=384, n_head=4, n_head_kv=2, n_vocab=384, n_ctx_train=512,
+                           arch="qwen3moe", head_dim=32, n_expert=16, n_expert_used=4, n_ff_expert=64),
+    "qwen3moe-2b": Shape(n_layer=24, n_embd=1024, n_ff=3072, n_head=16, n_head_kv=4, n_vocab=32000,
+                         n_ctx_train=4096, arch="qwen3moe", head_dim=64, n_expert=128, n_expert_used=8,
+                         n_ff_expert=256),
     "phi3-mini": Shape(n_layer=32, n_embd=3072, n_ff=8192, n_head=32, n_head_kv=32, n_vocab=32064,
                        arch="phi3"),
 }
@@ -123,7 +149,7 @@ def _tensor_plan(s: Shape) -> list[tuple[str, tuple[int, int] | tuple[int]]]:
                 (f"blk.{i}.attn_k.bias", (kv_dim,)),
                 (f"blk.{i}.attn_v.bias", (kv_dim,)),
             ]
-        if s.arch == "gemma3":  # RMS norms over each head's q and k
+        if s.arch in ("gemma3", "qwen3moe"):  # RMS norms over each head's q and k
             plan += [
                 (f"blk.{i}.attn_q_norm.weight", (s.n_embd_head,)),
                 (f"blk.{i}.attn_k_norm.weight", (s.n_embd_head,)),
@@ -132,14 +158,22 @@ def _tensor_plan(s: Shape) -> list[tuple[str, tuple[int, int] | tuple[int]]]:
         if s.arch == "gemma3":
             plan.append((f"blk.{i}.post_attention_norm.weight", (s.n_embd,)))
         plan.append((f"blk.{i}.ffn_norm.weight", (s.n_embd,)))
-        if s.arch == "phi3":  # gate and up in one matrix, gate rows first
+        if s.n_expert:  # the router, then each matrix's experts, one (rows, cols) slice an expert
+            plan += [
+                (f"blk.{i}.ffn_gate_inp.weight", (s.n_expert, s.n_embd)),
+                (f"blk.{i}.ffn_gate_exps.weight", (s.n_expert, s.expert_width, s.n_embd)),
+                (f"blk.{i}.ffn_up_exps.weight", (s.n_expert, s.expert_width, s.n_embd)),
+                (f"blk.{i}.ffn_down_exps.weight", (s.n_expert, s.n_embd, s.expert_width)),
+            ]
+        elif s.arch == "phi3":  # gate and up in one matrix, gate rows first
             plan.append((f"blk.{i}.ffn_up.weight", (2 * s.n_ff, s.n_embd)))
         else:
             plan += [
                 (f"blk.{i}.ffn_gate.weight", (s.n_ff, s.n_embd)),
                 (f"blk.{i}.ffn_up.weight", (s.n_ff, s.n_embd)),
             ]
-        plan.append((f"blk.{i}.ffn_down.weight", (s.n_embd, s.n_ff)))
+        if not s.n_expert:
+            plan.append((f"blk.{i}.ffn_down.weight", (s.n_embd, s.n_ff)))
         if s.arch == "gemma3":
             plan.append((f"blk.{i}.post_ffw_norm.weight", (s.n_embd,)))
     plan.append(("output_norm.weight", (s.n_embd,)))
@@ -153,14 +187,14 @@ def _output_name(s: Shape) -> str:
     return "token_embd.weight" if s.tied_embeddings else "output.weight"
 
 
-def _is_quantized(dims: tuple[int, ...], qtype: str) -> bool:
-    return len(dims) == 2 and qtype == "Q4_0"  # norms and biases stay F32
+def _is_quantized(name: str, dims: tuple[int, ...], qtype: str) -> bool:
+    # norms, biases and the router stay F32 (as convert_hf_to_gguf keeps ffn_gate_inp)
+    return len(dims) >= 2 and qtype == "Q4_0" and "ffn_gate_inp" not in name
 
 
-def _data_bytes(dims: tuple[int, ...], qtype: str) -> int:
-    if _is_quantized(dims, qtype):
-        rows, cols = dims
-        return rows * cols // 32 * 18
+def _data_bytes(name: str, dims: tuple[int, ...], qtype: str) -> int:
+    if _is_quantized(name, dims, qtype):
+        return math.prod(dims) // 32 * 18
     return math.prod(dims) * 4
 
 
@@ -178,7 +212,7 @@ def predicted_size(shape: Shape, qtype: str = "Q4_0") -> int:
         header += 8 + len(name) + 4 + 8 * len(dims) + 4 + 8  # name, n_dims, dims, type, offset
     data = 0
     for name, dims in plan:
-        data += -(-_data_bytes(dims, qtype) // ALIGNMENT) * ALIGNMENT
+        data += -(-_data_bytes(name, dims, qtype) // ALIGNMENT) * ALIGNMENT
     return -(-header // ALIGNMENT) * ALIGNMENT + data
 
 
@@ -202,7 +236,7 @@ def _add_hparams(w, shape: Shape) -> None:
     w.add_feed_forward_length(shape.n_ff)
     w.add_head_count(shape.n_head)
     w.add_head_count_kv(shape.n_head_kv)
-    if shape.arch == "gemma3":  # its head width is not n_embd / n_head, and it ropes the whole head
+    if shape.arch in ("gemma3", "qwen3moe"):  # its head width is not n_embd / n_head, and it ropes the whole head
         w.add_key_length(shape.n_embd_head)
         w.add_value_length(shape.n_embd_head)
     else:
@@ -211,7 +245,12 @@ def _add_hparams(w, shape: Shape) -> None:
         w.add_rope_freq_base(shape.rope_freq_base)
     if shape.sliding_window:
         w.add_sliding_window(shape.sliding_window)
-    w.add_layer_norm_rms_eps(1e-6 if shape.arch in ("qwen2", "gemma3") else 1e-5)
+    w.add_layer_norm_rms_eps(1e-6 if shape.arch in ("qwen2", "gemma3", "qwen3moe") else 1e-5)
+    if shape.n_expert:
+        w.add_expert_count(shape.n_expert)
+        w.add_expert_used_count(shape.n_expert_used)
+        if shape.n_ff_expert:
+            w.add_expert_feed_forward_length(shape.n_ff_expert)
 
 
 def write(path: str | Path, shape: Shape = TINY, qtype: str = "Q4_0", seed: int = 0,
@@ -249,12 +288,11 @@ def write(path: str | Path, shape: Shape = TINY, qtype: str = "Q4_0", seed: int 
 
     plan = _tensor_plan(shape)
     for name, dims in plan:
-        if _is_quantized(dims, qtype):
-            rows, cols = dims
-            w.add_tensor_info(name, (rows, cols // 32 * 18), np.dtype(np.uint8), _data_bytes(dims, qtype),
-                              raw_dtype=gguf.GGMLQuantizationType.Q4_0)
+        if _is_quantized(name, dims, qtype):
+            w.add_tensor_info(name, (*dims[:-1], dims[-1] // 32 * 18), np.dtype(np.uint8),
+                              _data_bytes(name, dims, qtype), raw_dtype=gguf.GGMLQuantizationType.Q4_0)
         else:
-            w.add_tensor_info(name, dims, np.dtype(np.float32), _data_bytes(dims, qtype))
+            w.add_tensor_info(name, dims, np.dtype(np.float32), _data_bytes(name, dims, qtype))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
@@ -267,8 +305,10 @@ def write(path: str | Path, shape: Shape = TINY, qtype: str = "Q4_0", seed: int 
         else:
             r = np.random.default_rng(output_seed) if name == output_name and output_seed is not None else rng
             scale = output_scale if name == output_name else 1.0
-            data = (r.normal(0, 0.05 * scale, dims).astype(np.float32) if qtype == "F32"
-                    else _q4_0(dims[0], dims[1], r, scale))
+            if qtype == "F32" or not _is_quantized(name, dims, qtype):
+                data = r.normal(0, 0.05 * scale, dims).astype(np.float32)
+            else:  # a matrix, or an expert tensor's slices (one expert's rows after another's)
+                data = _q4_0(math.prod(dims[:-1]), dims[-1], r, scale).reshape(*dims[:-1], dims[-1] // 32 * 18)
         if name == output_name:  # zero logits for <unk>, <s>, </s> and bytes: the noise is whole pieces
             data[:N_SPECIAL] = 0
         w.write_tensor_data(data)

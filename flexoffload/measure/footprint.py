@@ -38,6 +38,10 @@ RUN_MODULES = ("flexoffload.api", "flexoffload.plan.planners", "flexoffload.meas
 
 # "llama_kv_cache:        CPU KV buffer size =    28.00 MiB" (one line per cache: an ISWA model has two),
 # "llama_context:        CPU compute buffer size =    67.01 MiB", "llama_context:        CPU  output buffer size = ..."
+# "load_tensors:   CPU_REPACK model buffer size =   864.00 MiB": weights llama.cpp loaded into a buffer of its own
+# although the probe streams every tensor, because the streamed buffer type does not take their operator (an expert
+# tensor's MUL_MAT_ID; a norm's): weights, which a plan counts as resident tensors, not the heap
+_LOADED = re.compile(r"load_tensors:\s+(?!STREAMED|CPU_Mapped)(\S+) model buffer size =\s*([0-9.]+) MiB")
 _SIZES = {
     "kv_cache": re.compile(r"KV buffer size =\s*([0-9.]+) MiB"),
     "compute": re.compile(r"compute buffer size =\s*([0-9.]+) MiB"),
@@ -46,7 +50,7 @@ _SIZES = {
 
 
 def _cache_path(model, n_ctx: int, n_batch: int, n_outputs: int, n_seq_max: int) -> Path:
-    key = f"{file_key(model.path)}-c{n_ctx}-b{n_batch}-o{n_outputs}-s{n_seq_max}-v2"
+    key = f"{file_key(model.path)}-c{n_ctx}-b{n_batch}-o{n_outputs}-s{n_seq_max}-v3"
     return cache_dir() / "footprints" / f"{key}.json"
 
 
@@ -126,7 +130,8 @@ def probe(model_path: str, n_ctx: int, n_batch: int, n_outputs: int, n_seq_max: 
     sizes["output"] = max(sizes["output"], 4 * n_vocab * max(n_outputs, n_seq_max))
     # llama.cpp clears the KV cache as it makes it (llama_kv_cache::clear), so its pages are in what the load grew
     # by; the compute and output buffers are not touched yet
-    heap = max(grown - sizes["kv_cache"], 0)
+    loaded = int(sum(float(m.group(2)) for line in log.lines for m in [_LOADED.search(line)] if m) * MiB)
+    heap = max(grown - sizes["kv_cache"] - loaded, 0)
     sampling = (12 + 4) * n_vocab
     return Footprint(heap=heap, sampling=sampling, runtime=runtime, code=code, **sizes)
 

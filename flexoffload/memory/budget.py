@@ -67,8 +67,9 @@ def holding(model, weights: int, run) -> int:
 
 
 def largest_layer(model) -> int:
-    """The bytes of the model's largest block: the page cache mmap cannot compute with less of."""
-    return max((model.layer_bytes(i) for i in range(model.n_layer)), default=0)
+    """The bytes of the model's largest block one token reads (of a mixture of experts, the routed experts only):
+    the page cache mmap cannot compute with less of."""
+    return max((sum(model.token_bytes(t) for t in model.layer_tensors(i)) for i in range(model.n_layer)), default=0)
 
 
 def minimum(model, run) -> int:

@@ -48,8 +48,9 @@ def is_small(t: Tensor) -> bool:
 
 
 def always_resident(model: Model) -> set[str]:
-    """The small tensors."""
-    return {t.name for t in model.tensors if is_small(t)}
+    """The small tensors, and a mixture of experts' expert tensors: the streamed buffer type does not take
+    MUL_MAT_ID's weights (llama.cpp loads them into CPU_REPACK instead), so they are resident until experts stream."""
+    return {t.name for t in model.tensors if is_small(t) or t.kind == "expert"}
 
 
 def memory_for(model: Model, resident: Collection[str], window: int) -> int:
