@@ -355,8 +355,9 @@ def _tree_outputs(r: Request) -> int:
     return max(r.draft_max or spectree.MAX_NODES, spectree.MAX_BRANCHES + 1)
 
 
-def _plan_model(r: Request):
-    """A saved plan of lowered precision runs its own (requantized) file: given -m, that must be its source."""
+def _plan_model(r: Request) -> tuple[Path, Path] | None:
+    """A saved plan of lowered precision runs its own (requantized) file: given -m, that must be its source.
+    (the file, its source), or None for any other plan."""
     if not r.plan_dir:
         return None
     from flexoffload.plan import plan as plans
@@ -370,7 +371,7 @@ def _plan_model(r: Request):
                                f"{catalog.resolve(r.model).name}")
     if not Path(plan.model).is_file():
         raise FlexoffloadError(f"the plan's requantized file is gone ({plan.model}): run plan --precision auto again")
-    return Path(plan.model)
+    return Path(plan.model), Path(plan.precision["source"])
 
 
 def _precision_plan(r: Request, model, limit: int):
@@ -401,18 +402,17 @@ def prepare(request: Request) -> Prepared:
 
     Bad input is a FlexoffloadError here, before any cgroup is made or weight is read."""
     from flexoffload.gguf.model import load
-    from flexoffload.plan import plan as plans
 
     auto = request.strategy is None
     r = replace(request, strategy=request.strategy or ("stream" if request.mem or request.plan_dir else "mmap"))
     _check(r)
     mixed = _plan_model(r)
-    path = mixed or catalog.resolve(r.model)
+    path = mixed[0] if mixed else catalog.resolve(r.model)
     r.model = str(path)
     model = load(path)
     n_prompt = _check_prompt_length(model, r)
     # a relative budget (0.4x) is of the model the user named: a precision plan's source, not the file it runs
-    named = load(plans.read(r.plan_dir).precision["source"]) if mixed else model
+    named = load(mixed[1]) if mixed else model
     if r.rpc and r.mem and "=" in r.mem:  # per device: this machine's budget is cpu=
         from flexoffload.native import devices
         from flexoffload.plan import placers

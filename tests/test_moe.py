@@ -76,7 +76,7 @@ def test_a_moe_whose_header_and_tensors_disagree_is_one_line_before_loading(tmp_
 
 def _bad_header(tmp_path, hparams):
     """The tiny MoE with its expert counts replaced in the header."""
-    shape = dataclasses.replace(synth.SHAPES["llama-moe-tiny"])
+    shape = synth.SHAPES["llama-moe-tiny"]
     add = synth._add_hparams
 
     def replaced(w, s):
