@@ -667,6 +667,27 @@ def tune(model, budget: int, profile, n_ctx: int = 2048, n_batch: int = 512, n_b
                      n_best, rounds, echo)
 
 
+def experts(model, slots: list[int] | None = None, text: str | None = None, n_threads: int | None = None,
+            batch: int = 512, remeasure: bool = False) -> dict:
+    """profile --experts: the experts a text routes to (measure/experts.py; None: the HumanEval tuning problems;
+    measured once, cached) replayed through an expert cache of each slot count and policy (plan/experts.py)."""
+    from flexoffload.measure import experts as tracing
+    from flexoffload.measure import profile as profiler
+    from flexoffload.plan import experts as cache
+    from flexoffload.plan.costmodel import compute_seconds
+
+    n_threads = n_threads or os.cpu_count() or 1
+    trace = tracing.trace(model, text, n_threads, remeasure=remeasure)
+    cache.check(model, trace)
+    profile = profiler.measure(model, n_threads)
+    slots = cache.default_slots(model) if slots is None else slots
+    return {"model": str(model.path), "name": model.name, "source": trace.source, "tokens": trace.n_tokens,
+            "n_layer": model.n_layer, "n_expert": model.n_expert, "n_used": model.n_expert_used,
+            "unit_bytes": cache.unit_bytes(model), "disk_bw": profile.disk_bw,
+            "resident_tok_s": 1.0 / compute_seconds(model, profile),
+            "rows": cache.table(model, trace, slots, profile, batch)}
+
+
 def main() -> None:
     """The child of an enforced run (or an RPC one): `python -m flexoffload.api REQUEST.json RESULT.json
     [--stream-text]`. It runs here, in this process: the parent made the child to hold it."""

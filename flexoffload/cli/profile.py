@@ -1,11 +1,13 @@
 """`flexoffload profile`: disk bandwidth and compute speed for the cost model; with --ops each weight's operator,
-with --precision the harm of each lower type (measure/)."""
+with --precision the harm of each lower type, with --experts the experts a text routes to and what an expert cache
+would read (measure/)."""
 
 from __future__ import annotations
 
 import json
 import os
 import sys
+from pathlib import Path
 
 import click
 
@@ -84,13 +86,58 @@ def _profile_precision(model, threads, n_groups, ladder, remeasure, as_json) -> 
                    f"{r.same_top:8.1%}")
 
 
+def _slot_counts(text: str | None) -> list[int] | None:
+    if text is None:
+        return None
+    try:
+        return sorted({int(x) for x in text.split(",") if x.strip()})
+    except ValueError:
+        raise FlexoffloadError(f"--slots takes slot counts a layer, N,N,...: not {text!r}") from None
+
+
+def _read_text(file: str | None) -> str | None:
+    if file is None:
+        return None
+    try:
+        return Path(file).read_text(encoding="utf-8")
+    except OSError as e:
+        raise FlexoffloadError(f"cannot read the text file {file}: {e.strerror}") from None
+    except UnicodeDecodeError:
+        raise FlexoffloadError(f"the text file is not UTF-8: {file}") from None
+
+
+def _profile_experts(model, threads, slots, file, batch, remeasure, as_json) -> None:
+    """profile --experts: api.experts's table (or --json)."""
+    from flexoffload import api
+
+    r = api.experts(model, _slot_counts(slots), _read_text(file), threads, batch, remeasure)
+    if as_json:
+        click.echo(json.dumps(r))
+        return
+    unit = sum(r["unit_bytes"]) / len(r["unit_bytes"])
+    click.echo(f"{r['name']}, traced on {r['source']}; {r['n_layer']} layers, {r['n_used']} of {r['n_expert']} "
+               f"experts a token, an expert {unit / 2**20:.2f} MiB (its slices of the layer's expert tensors); disk "
+               f"{r['disk_bw'] / 1e9:.2f} GB/s, {r['resident_tok_s']:.2f} tok/s with every weight in memory")
+    click.echo(f"{'slots':>5} {'cache MiB':>9} {'policy':<7} {'hit':>6} {'pool hit':>8} {'units/tok':>9} "
+               f"{'MB/tok':>7} {'tok/s':>7} {'units/ubatch':>12}")
+    for row in r["rows"]:
+        click.echo(f"{row['slots']:>5} {row['cache_bytes'] / 2**20:>9.1f} {row['policy']:<7} "
+                   f"{row['hit_rate']:>6.1%} {row['pool_hit_rate']:>8.1%} {row['units_per_token']:>9.2f} "
+                   f"{row['bytes_per_token'] / 1e6:>7.2f} {row['tok_s']:>7.2f} {row['units_per_ubatch']:>12.1f}")
+    click.echo(f"slots: expert units cached a layer (pool hit: as many units shared by all layers); belady: the "
+               f"bound no policy of slots a layer beats; units/ubatch: read by a prompt ubatch of {batch} tokens; "
+               f"tok/s: decode, the misses read at the disk's bandwidth, none overlapping compute (docs/experts.md)")
+
+
 @click.command()
 @click.option("-m", "--model", "model_spec", metavar="MODEL", help=f"GGUF path or catalog name [default: {catalog.DEFAULT_MODEL}]")
 @click.option("-t", "--threads", default=os.cpu_count() or 1, show_default=True)
 @click.option("--remeasure", is_flag=True, help="measure again even if a profile is cached")
 @click.option("--ops", is_flag=True,
               help="time every weight's operator (MUL_MAT, GET_ROWS) for a decoded token and a prompt ubatch")
-@click.option("-b", "--batch-size", default=64, show_default=True, help="with --ops: the prompt ubatch timed")
+@click.option("-b", "--batch-size", type=int, default=None,
+              help="with --ops: the prompt ubatch timed [default: 64]; with --experts: the prompt ubatch replayed "
+                   "[default: 512]")
 @click.option("--rpc", "rpc", metavar="HOST:PORT,...",
               help="with --ops: each RPC server's device as well (its compute against this CPU's, a visit's cost, "
                    "its link), from whole tokens with layers placed on it")
@@ -100,9 +147,17 @@ def _profile_precision(model, threads, n_groups, ladder, remeasure, as_json) -> 
 @click.option("--groups", "n_groups", default=4, show_default=True, help="with --precision: layer groups per kind")
 @click.option("--types", "ladder", default=",".join(LADDER),
               show_default=True, help="with --precision: the lower types a tensor may take")
+@click.option("--experts", is_flag=True,
+              help="a mixture of experts: record which experts a text routes to (cached) and replay it through an "
+                   "expert cache: hit rate by policy, Belady's bound, bytes read and tok/s predicted")
+@click.option("--slots", metavar="N,N,...", help="with --experts: cache sizes, in experts a layer [default: none, "
+                                                 "one token's, a quarter, half, three quarters of the experts]")
+@click.option("-f", "--file", "text_file", metavar="FILE",
+              help="with --experts: the text to trace [default: HumanEval 0-39 with solutions]")
 @click.option("--json", "as_json", is_flag=True)
 @_errors_as_one_line
-def profile(model_spec, threads, remeasure, ops, batch_size, rpc, precision, n_groups, ladder, as_json):
+def profile(model_spec, threads, remeasure, ops, batch_size, rpc, precision, n_groups, ladder, experts, slots,
+            text_file, as_json):
     """Measure disk bandwidth and compute speed for the cost model (cached per model file)."""
     from flexoffload.gguf.model import load
     from flexoffload.measure import profile as profiler
@@ -111,11 +166,16 @@ def profile(model_spec, threads, remeasure, ops, batch_size, rpc, precision, n_g
     model = load(catalog.resolve(model_spec))
     if rpc and not ops:
         raise FlexoffloadError("--rpc profiles the servers' devices with --ops")
+    if (slots or text_file) and not experts:
+        raise FlexoffloadError("--slots and -f go with --experts")
+    if experts:
+        _profile_experts(model, threads, slots, text_file, batch_size or 512, remeasure, as_json)
+        return
     if precision:
         _profile_precision(model, threads, n_groups, ladder, remeasure, as_json)
         return
     if ops:
-        _profile_ops(model, threads, batch_size, remeasure, as_json, rpc)
+        _profile_ops(model, threads, batch_size or 64, remeasure, as_json, rpc)
         return
     p = profiler.measure(model, threads, remeasure=remeasure)
     tok_s = 1.0 / compute_seconds(model, p)

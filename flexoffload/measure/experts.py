@@ -1,0 +1,152 @@
+"""Which experts a text routes to, measured (issue 28, item 3): a Trace of every token's experts in every layer.
+
+llama.cpp names the router's choice `ffn_moe_topk-<layer>` (build_moe_ffn: the top-k view of the argsort of the
+router's probabilities, I32, ne[0] = n_expert_used, ne[1] = the ubatch's tokens). The scheduler's eval callback is
+asked of every node; answering yes for those nodes only makes it compute up to each and hand it over, so the ids are
+copied out as each layer chooses, and the rest of the graph runs as it would. The text is decoded in ubatches, in
+order, in context chunks of up to CTX tokens (the KV cache cleared between chunks); every token is an output, so the
+last layer computes every token (llama.cpp otherwise drops all but the outputs before the last layer's FFN).
+
+Decode routes a token as the prompt does, given the same tokens before it (greedy teacher forcing, up to the
+rounding of a batch's kernels): a trace of a text is what decoding that text would route. The default text is the
+HumanEval tuning problems with their solutions (never the evaluation problems), the first MAX_TOKENS tokens.
+Traces are cached per model file and text under the profiles cache.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import os
+
+import numpy as np
+
+from flexoffload import FlexoffloadError
+from flexoffload.defaults import cache_dir, content_key, file_key, write_atomic
+from flexoffload.gguf.model import Model
+from flexoffload.plan.experts import Trace
+from flexoffload.prompts import humaneval
+
+MAX_TOKENS = 4096  # of the calibration text: a few thousand tokens
+CTX = 1024  # a context chunk, at most (the model's training context if smaller)
+UBATCH = 256
+TOPK = b"ffn_moe_topk-"
+VERSION = "v1"
+
+log = logging.getLogger(__name__)
+
+# struct ggml_tensor in the pinned ggml.h: type (4, padded to 8), buffer (8), ne (4 x int64), nb (4 x size_t), ...
+_OFFSET_NE = 16
+_OFFSET_NB = _OFFSET_NE + 32
+
+
+def calibration_text() -> str:
+    return humaneval.solved(humaneval.TUNING)
+
+
+class _Recorder:
+    """The eval callback: asks for each ffn_moe_topk node, and copies its ids out by layer."""
+
+    def __init__(self, base):
+        self.base = base
+        self.ids: dict[int, np.ndarray] = {}
+
+    def __call__(self, t, ask, _user_data) -> bool:
+        name = self.base.ggml_get_name(t)
+        if not name.startswith(TOPK):
+            return False  # not wanted: computed with the nodes around it
+        if ask:
+            return True
+        layer = int(name[len(TOPK):])
+        ne = (ctypes.c_int64 * 2).from_address(t + _OFFSET_NE)
+        nb = (ctypes.c_size_t * 2).from_address(t + _OFFSET_NB)
+        data = self.base.ggml_get_data(t)
+        span = (ne[1] - 1) * nb[1] + ne[0] * nb[0]
+        buf = (ctypes.c_char * span).from_address(data)
+        self.ids[layer] = np.ndarray((ne[1], ne[0]), np.int32, buf, 0, (nb[1], nb[0])).copy()
+        return True
+
+
+def measure(model: Model, text: str | list[int], n_threads: int, max_tokens: int = MAX_TOKENS, n_ctx: int = CTX,
+            n_ubatch: int = UBATCH, source: str = "") -> Trace:
+    """Decode the text (or its tokens) in this process (mmap), its first max_tokens tokens, and record each one's
+    experts in every layer."""
+    from flexoffload import native
+    from flexoffload.runtime import engine
+
+    if not model.n_expert:
+        raise FlexoffloadError(f"{model.path.name} is not a mixture of experts: it has no experts to trace")
+    n_ctx = min(n_ctx, model.n_ctx_train or n_ctx)
+    n_ubatch = min(n_ubatch, n_ctx)
+    lib = native.llama_cpp()
+    base = ctypes.CDLL(str(native.build_dir() / "libggml-base.so"))
+    base.ggml_get_name.argtypes, base.ggml_get_name.restype = [ctypes.c_void_p], ctypes.c_char_p
+    base.ggml_get_data.argtypes, base.ggml_get_data.restype = [ctypes.c_void_p], ctypes.c_void_p
+    recorder = _Recorder(base)
+    callback = lib.ggml_backend_sched_eval_callback(recorder)
+    settings = engine.Settings(n_ctx=n_ctx, n_batch=n_ubatch, n_ubatch=n_ubatch, n_threads=n_threads,
+                               strategy="mmap", temp=0, n_outputs=n_ubatch)
+    rows = []
+    with engine.Engine(str(model.path), settings, eval_callback=callback) as eng:
+        tokens = (eng.tokenize(text) if isinstance(text, str) else list(text))[:max_tokens]
+        if not tokens:
+            raise FlexoffloadError("the text to trace the experts of has no tokens")
+        memory = lib.llama_get_memory(eng.ctx)
+        outputs = (ctypes.c_int8 * n_ubatch)(*([1] * n_ubatch))  # every token an output: see the docstring
+        for start in range(0, len(tokens), n_ctx):
+            lib.llama_memory_clear(memory, True)
+            chunk = tokens[start:start + n_ctx]
+            for i in range(0, len(chunk), n_ubatch):
+                part = chunk[i:i + n_ubatch]
+                recorder.ids.clear()
+                arr = (lib.llama_token * len(part))(*part)
+                batch = lib.llama_batch_get_one(arr, len(part))
+                batch.logits = ctypes.cast(outputs, type(batch.logits))
+                rc = lib.llama_decode(eng.ctx, batch)
+                if rc != 0:
+                    raise FlexoffloadError(f"llama_decode failed ({rc}) while tracing experts: "
+                                           f"{eng.log.last_error()}")
+                rows.append(_ubatch_ids(model, recorder.ids, len(part)))
+    return Trace(model.n_layer, model.n_expert, model.n_expert_used, np.concatenate(rows),
+                 f"{source}, {len(tokens)} tokens" if source else f"{len(tokens)} tokens")
+
+
+def _ubatch_ids(model: Model, ids: dict[int, np.ndarray], n_tokens: int) -> np.ndarray:
+    """One ubatch's ids as tokens x layers x used, checked to be every layer's, every token's."""
+    want = (n_tokens, model.n_expert_used)
+    missing = [layer for layer in range(model.n_layer) if layer not in ids]
+    if missing:
+        raise FlexoffloadError(f"llama.cpp showed no expert choice (ffn_moe_topk) for layer {missing[0]} of "
+                               f"{model.path.name}: its graph does not route as build_moe_ffn does")
+    wrong = [layer for layer in range(model.n_layer) if ids[layer].shape != want]
+    if wrong:
+        got = ids[wrong[0]].shape
+        raise FlexoffloadError(f"layer {wrong[0]}'s expert choice is {got[1]} experts for {got[0]} tokens, not "
+                               f"{want[1]} for {want[0]}")
+    return np.stack([ids[layer] for layer in range(model.n_layer)], axis=1)
+
+
+def cache_path(model: Model, text: str | list[int], max_tokens: int, n_ctx: int, n_ubatch: int):
+    what = text if isinstance(text, str) else " ".join(map(str, text))
+    key = content_key(what, str(max_tokens), str(n_ctx), str(n_ubatch), VERSION)
+    return cache_dir() / "profiles" / f"{file_key(model.path)}-experts-{key}.json"
+
+
+def trace(model: Model, text: str | list[int] | None = None, n_threads: int | None = None,
+          max_tokens: int = MAX_TOKENS, n_ctx: int = CTX, n_ubatch: int = UBATCH, remeasure: bool = False) -> Trace:
+    """The experts the first max_tokens tokens of a text (or a list of its tokens; None: the HumanEval tuning
+    problems) route to, measured once and cached per model file and text."""
+    default = text is None
+    text = calibration_text() if default else text
+    path = cache_path(model, text, max_tokens, n_ctx, n_ubatch)
+    if path.is_file() and not remeasure:
+        return Trace.read(path)
+    log.info("tracing which experts up to %d tokens of text route to in %s (once, cached; `flexoffload profile "
+             "--experts -m %s` does it ahead): about as long as a prompt of that many tokens", max_tokens,
+             model.path.name, model.path)
+    what = "HumanEval 0-39 with solutions" if default else "a text"
+    result = measure(model, text, n_threads or os.cpu_count() or 1, max_tokens, n_ctx, n_ubatch,
+                     source=f"{model.path.name}: {what}")
+    write_atomic(path, json.dumps(result.to_dict()))
+    return result
