@@ -397,8 +397,9 @@ def _precision_plan(r: Request, model, limit: int):
     return replace(r, model=plan.model, plan_dir=str(directory)), load(plan.model)
 
 
-def prepare(request: Request) -> Prepared:
+def prepare(request: Request, n_seq_max: int = 1) -> Prepared:
     """Everything before loading: the model, the budget, the plan, and whether the draft pays at this budget.
+    n_seq_max: the sequences decoded together (serve's -np): the plan counts a decode batch and a logits row of each.
 
     Bad input is a FlexoffloadError here, before any cgroup is made or weight is read."""
     from flexoffload.gguf.model import load
@@ -443,7 +444,7 @@ def prepare(request: Request) -> Prepared:
         notes.append(f"flexoffload: a prompt of {n_prompt} tokens: prefill in ubatches of {u} (-ub), time to first "
                      f"token predicted {first:.1f} s")
     if not r.draft:
-        plan = plan_for_run(model, r, limit)
+        plan = plan_for_run(model, r, limit, n_seq_max, n_seq_max)
         if plan is not None and plan.policy == tuning.MMAP:  # plan --tune measured mmap faster at this budget
             return Prepared(replace(r, strategy="mmap", plan_dir=None), model, limit, None,
                             notes=[tuning.mmap_note(plan)])
@@ -539,15 +540,16 @@ def generate(model, prompt: str | None = None, generation: Generation = Generati
         return _generate(r, on_text, enforce, echo, timeout, cgroup_limit)
 
 
-def run_prepared(p: Prepared, on_text=None) -> dict:
-    """Load and generate in this process; the result as a dict (engine.Result's fields and the run's context)."""
+def engine_settings(p: Prepared):
+    """The runtime's settings for a prepared request (engine.Settings): what `run` loads by, and what `serve` hands
+    llama-server as flags."""
     from flexoffload.native import devices
     from flexoffload.plan import plan as plans
     from flexoffload.runtime import engine
 
-    r, model, plan = p.request, p.model, p.plan
+    r, plan = p.request, p.plan
     pairs = plans.overrides(plan) if plan else []  # tensors.ot's lines: (pattern, buffer type)
-    settings = engine.Settings(
+    return engine.Settings(
         n_ctx=r.n_ctx, n_batch=r.n_batch, n_threads=r.n_threads, temp=r.temp, seed=r.seed & 0xFFFFFFFF,
         strategy=r.strategy,
         streamed_patterns=tuple(p for p, b in pairs if b == plans.STREAMED_BUFT),
@@ -560,6 +562,15 @@ def run_prepared(p: Prepared, on_text=None) -> dict:
         tensor_split=tuple(plan.placement["tensor_split"]) if plan and plan.placement else (),
         window=(r.window if r.window is not None else plan.window) if plan else 0,
         io_threads=r.io_threads or (plan.io_threads if plan else IO_THREADS), verbose=r.verbose)
+
+
+def run_prepared(p: Prepared, on_text=None) -> dict:
+    """Load and generate in this process; the result as a dict (engine.Result's fields and the run's context)."""
+    from flexoffload.plan import plan as plans
+    from flexoffload.runtime import engine
+
+    r, model, plan = p.request, p.model, p.plan
+    settings = engine_settings(p)
     if p.draft_model is not None:
         from flexoffload.runtime import spectree, speculate
 
@@ -638,18 +649,39 @@ def _generate(request: Request, on_text=None, enforce: bool = False, echo=None, 
             echo(note)
     if not enforce and p.request.rpc:  # in a child: llama.cpp aborts the process when an RPC server fails
         return run_in_cgroup(p, None, stream_text=on_text is not None, timeout=timeout)
-    if not enforce:
-        return run_prepared(p, on_text)
-    if p.limit is None:
-        raise FlexoffloadError("--enforce needs a budget: add --mem SIZE")
-    unavailable = budgets.cgroup_unavailable()
-    if unavailable:
-        if echo:
-            echo(f"flexoffload: {unavailable}; running without an enforced budget")
+    if not enforce or not _enforceable(p, echo):
         return run_prepared(p, on_text)
     result = run_in_cgroup(p, cgroup_limit or p.limit, stream_text=on_text is not None, timeout=timeout)
     result["budget_mb"] = p.limit / MiB
     return result
+
+
+def _enforceable(p: Prepared, echo=None) -> bool:
+    """--enforce: whether a memory cgroup can hold the run at its budget (a run without a budget is refused; where no
+    cgroup can be made, echo says so and the run goes unenforced)."""
+    if p.limit is None:
+        raise FlexoffloadError("--enforce needs a budget: add --mem SIZE")
+    unavailable = budgets.cgroup_unavailable()
+    if unavailable and echo:
+        echo(f"flexoffload: {unavailable}; running without an enforced budget")
+    return not unavailable
+
+
+def serve(request: Request, n_parallel: int, listen, enforce: bool = False, extra: tuple[str, ...] = (), echo=None,
+          on_ready=None):
+    """`flexoffload serve`: llama-server for n_parallel sequences, prepared and planned as `run` is (the plan for that
+    many sequences, the same settings, cgroup and page-cache handling), behind the front (runtime/server.py:
+    listen is its Listen), until SIGINT or SIGTERM. on_ready(port, load_s, prepared) once it answers; returns
+    server.Served."""
+    from flexoffload.runtime import server
+
+    p = prepare(replace(request, prompt=request.prompt or " "), n_seq_max=n_parallel)  # a server has no prompt
+    for note in p.notes:
+        if echo:
+            echo(note)
+    limit = p.limit if enforce and _enforceable(p, echo) else None
+    ready = (lambda port, load_s: on_ready(port, load_s, p)) if on_ready else None
+    return server.serve(p.request.model, engine_settings(p), n_parallel, listen, limit, p.limit, extra, echo, ready)
 
 
 def tune(model, budget: int, profile, n_ctx: int = 2048, n_batch: int = 512, n_best: int = 3, rounds: int = 2,

@@ -1,4 +1,4 @@
-"""The `flexoffload` command line: run, bench, profile, plan, info, devices, models.
+"""The `flexoffload` command line: run, serve, bench, profile, plan, info, devices, models.
 
 Text goes to stdout, timings and progress to stderr, `--json` prints one object for scripts. Bad input
 is one line on stderr and a non-zero exit, never a traceback.
@@ -20,7 +20,7 @@ from flexoffload import __version__
 
 # The commands, in the order the help lists them (click's own order before: sorted by name); each is the object of
 # the same name in flexoffload/cli/<name>.py.
-COMMANDS = ("bench", "devices", "info", "models", "plan", "profile", "run")
+COMMANDS = ("bench", "devices", "info", "models", "plan", "profile", "run", "serve")
 
 # Names scripts and tests import from flexoffload.cli, and the command module that defines each.
 _EXPORTS = {"request_from_args": "run", "request_from_flags": "run"}

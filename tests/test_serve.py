@@ -1,0 +1,364 @@
+"""`flexoffload serve` as users use it: the official `openai` client (chat, completion, streaming with usage), errors
+(400 for a malformed body or a prompt longer than a sequence's context, 401 without the key, 503 when the queue is
+full), concurrent clients whose greedy outputs equal single-client `flexoffload run` outputs, a client that goes
+away cancelled, and a clean exit on SIGTERM or SIGINT: no llama-server left, no cgroup, no temporary folder.
+
+The models are synthetic (random weights) unless marked integration (the real 0.5B)."""
+
+import contextlib
+import http.client
+import json
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from conftest import cli
+from flexoffload.gguf import synth
+
+import openai  # noqa: E402  (the official client: a test extra)
+
+class Serving:
+    """A `flexoffload serve` process on a free port, its ready line read; stopped (and checked clean) on exit."""
+
+    def __init__(self, *args: str, timeout: float = 600):
+        self.proc = subprocess.Popen([sys.executable, "-m", "flexoffload", "serve", "--port", "0", "-t", "2", *args],
+                                     stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self.lines: list[str] = []
+        ready: queue.Queue = queue.Queue()
+
+        def read():
+            for line in self.proc.stderr:
+                self.lines.append(line)
+                if "serving" in line:
+                    ready.put(line)
+            ready.put(None)
+
+        threading.Thread(target=read, daemon=True).start()
+        try:
+            line = ready.get(timeout=timeout)
+        except queue.Empty:
+            self.proc.kill()
+            raise AssertionError(f"serve did not become ready: {''.join(self.lines)}") from None
+        if line is None:
+            self.proc.wait()
+            raise AssertionError(f"serve exited ({self.proc.returncode}): {''.join(self.lines)}")
+        self.port = int(line.split("http://127.0.0.1:")[1].split("/")[0])
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.server_pid = self._llama_server()
+
+    def _llama_server(self) -> int:
+        children = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text().split()
+        for pid in children:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            if any(b"llama-server" in part for part in cmd):
+                self.socket_dir = Path(cmd[cmd.index(b"--host") + 1].decode()).parent
+                return int(pid)
+        raise AssertionError(f"no llama-server child of {self.proc.pid}: {children}")
+
+    def client(self, key: str = "none", **kw):
+        return openai.OpenAI(base_url=f"{self.base}/v1", api_key=key, max_retries=0, **kw)
+
+    def request(self, method: str, path: str, body: bytes | None = None, headers: dict | None = None):
+        """(status, parsed body or text) of a plain HTTP request."""
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=120)
+        try:
+            conn.request(method, path, body=body, headers=headers or {})
+            r = conn.getresponse()
+            data = r.read().decode()
+            with contextlib.suppress(ValueError):
+                return r.status, json.loads(data)
+            return r.status, data
+        finally:
+            conn.close()
+
+    def metric(self, name: str, key: str | None = None) -> float:
+        _, text = self.request("GET", "/metrics", headers={"Authorization": f"Bearer {key}"} if key else {})
+        for line in text.splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+        raise AssertionError(f"{name} not in /metrics")
+
+    def stop(self, sig=signal.SIGTERM) -> str:
+        """Stop it as a service manager (SIGTERM) or a terminal (SIGINT) does; check that nothing is left."""
+        cgroups = [p for p in Path("/sys/fs/cgroup").rglob(f"flexoffload-{self.proc.pid}-*")] \
+            if Path("/sys/fs/cgroup").is_dir() else []
+        self.proc.send_signal(sig)
+        assert self.proc.wait(timeout=30) == 0, "".join(self.lines)
+        time.sleep(0.2)  # the reader thread's last lines
+        assert not Path(f"/proc/{self.server_pid}").exists() or \
+            Path(f"/proc/{self.server_pid}/stat").read_text().split()[2] == "Z", "llama-server outlived serve"
+        assert not self.socket_dir.exists(), f"{self.socket_dir} left behind"
+        assert not any(p.exists() for p in cgroups), f"cgroups left behind: {cgroups}"
+        return "".join(self.lines)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        if self.proc.poll() is None:
+            self.stop()
+
+
+@pytest.fixture(scope="module")
+def kquant_model(tmp_path_factory) -> Path:
+    """A synthetic model in K-quants (llama-quantize Q4_K_M of a Q4_0 one) whose greedy choices are often near ties:
+    a change of rounding shows in its text. K-quants, unlike Q4_0, are computed row by row at any batch size once
+    the tiled kernels are off (GGML_CPU_TILED_MM=0): the same rounding however many sequences share a pass."""
+    from flexoffload import native
+
+    folder = tmp_path_factory.mktemp("models")
+    shape = synth.Shape(n_layer=3, n_embd=256, n_ff=512, n_head=4, n_head_kv=2, n_vocab=384, n_ctx_train=2048)
+    source = synth.write(folder / "q4_0.gguf", shape)
+    target = folder / "kquant.gguf"
+    subprocess.run([str(native.tool("llama-quantize")), "--allow-requantize", str(source), str(target), "Q4_K_M"],
+                   check=True, capture_output=True, timeout=300)
+    return target
+
+
+@pytest.fixture(scope="module")
+def slow_model(tmp_path_factory) -> Path:
+    """A synthetic model slow enough (several milliseconds a token) that a long request is still running when a
+    test looks at it."""
+    shape = synth.Shape(n_layer=4, n_embd=1024, n_ff=2816, n_head=8, n_head_kv=4, n_vocab=384, n_ctx_train=2048)
+    return synth.write(tmp_path_factory.mktemp("models") / "slow.gguf", shape)
+
+
+def run_text(model, prompt, n, *extra) -> str:
+    r = cli("run", "-m", str(model), "-p", prompt, "-n", str(n), "--temp", "0", "-t", "2", "--json", *extra,
+            check=True)
+    return json.loads(r.stdout)["text"]
+
+
+def test_completion_chat_and_stream_with_the_openai_client(tiny_model):
+    with Serving("-m", str(tiny_model), "-c", "512", "-np", "2") as s:
+        client = s.client()
+        models = client.models.list()
+        assert [m.id for m in models.data] == [tiny_model.stem]
+
+        done = client.completions.create(model=tiny_model.stem, prompt="a b c d", max_tokens=8, temperature=0)
+        assert done.choices[0].text == run_text(tiny_model, "a b c d", 8, "-c", "512")
+        assert done.usage.completion_tokens == 8 and done.usage.prompt_tokens == 5
+        assert done.choices[0].finish_reason == "length"
+
+        chat = client.chat.completions.create(model="any", messages=[{"role": "user", "content": "hello"}],
+                                              max_tokens=6, temperature=0, seed=1, top_p=0.9)
+        assert chat.choices[0].message.role == "assistant" and chat.choices[0].message.content
+        assert chat.usage.completion_tokens == 6
+
+        # streamed: the same text in pieces, then a last chunk with no choices and the usage
+        chunks = list(client.completions.create(model="any", prompt="a b c d", max_tokens=8, temperature=0,
+                                                stream=True, stream_options={"include_usage": True}))
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == done.choices[0].text
+        assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 8
+        chat_chunks = list(client.chat.completions.create(
+            model="any", messages=[{"role": "user", "content": "hello"}], max_tokens=6, temperature=0, seed=1,
+            top_p=0.9, stream=True, stream_options={"include_usage": True}))
+        assert "".join(c.choices[0].delta.content or "" for c in chat_chunks if c.choices) == \
+            chat.choices[0].message.content
+        assert chat_chunks[-1].usage.completion_tokens == 6
+
+        # the wire: server-sent events ending in data: [DONE]
+        conn = http.client.HTTPConnection("127.0.0.1", s.port, timeout=60)
+        conn.request("POST", "/v1/completions", body=json.dumps({"prompt": "x", "max_tokens": 3, "stream": True}))
+        r = conn.getresponse()
+        events = [e for e in r.read().decode().split("\n\n") if e.strip()]
+        assert r.status == 200 and r.getheader("Content-Type").startswith("text/event-stream")
+        assert events[-1] == "data: [DONE]" and all(e.startswith("data: ") for e in events)
+
+        # a stop string ends the text before it
+        stopped = client.completions.create(model="any", prompt="a b c d", max_tokens=8, temperature=0,
+                                            stop=[done.choices[0].text[3:7]])
+        assert done.choices[0].text.startswith(stopped.choices[0].text)
+        assert len(stopped.choices[0].text) < len(done.choices[0].text)
+        s.stop()
+
+
+def test_errors_are_llama_servers_shape_and_never_5xx_for_a_client_error(tiny_model):
+    with Serving("-m", str(tiny_model), "-c", "512", "-np", "2") as s:
+        for body in (b"not json", b"{\"prompt\": ", b"\xff\xfe"):
+            status, answer = s.request("POST", "/v1/completions", body)
+            assert status == 400 and answer["error"]["code"] == 400, answer
+            assert answer["error"]["type"] == "invalid_request_error" and answer["error"]["message"]
+        for fields in ({"max_tokens": "many"}, {"temperature": "hot"}, {"stop": 5},
+                       {"stream": True, "stream_options": 5}, {"max_tokens": -5}):
+            status, answer = s.request("POST", "/v1/completions", json.dumps({"prompt": "a", **fields}).encode())
+            assert status == 400 and answer["error"]["type"] == "invalid_request_error", (fields, answer)
+        status, answer = s.request("POST", "/v1/chat/completions", json.dumps({"messages": 5}).encode())
+        assert status == 400
+
+        # longer than a sequence's share of the context (512 / 2): 400, naming both lengths
+        long_prompt = " ".join(["a"] * 300)
+        with pytest.raises(openai.BadRequestError) as e:
+            s.client().completions.create(model="any", prompt=long_prompt, max_tokens=4)
+        assert e.value.status_code == 400
+        assert "(301 tokens)" in str(e.value) and "(256 tokens)" in str(e.value)
+
+        status, answer = s.request("GET", "/v1/nothing")
+        assert status == 404 and answer["error"]["code"] == 404
+        s.stop()
+
+
+def test_api_key(tiny_model):
+    with Serving("-m", str(tiny_model), "-c", "256", "-np", "1", "--api-key", "sesame") as s:
+        assert s.request("GET", "/health")[0] == 200  # the one endpoint open without the key
+        for path in ("/v1/models", "/metrics", "/props"):
+            status, answer = s.request("GET", path)
+            assert status == 401 and answer["error"]["type"] == "authentication_error", path
+        with pytest.raises(openai.AuthenticationError):
+            s.client("wrong").completions.create(model="any", prompt="a", max_tokens=2)
+        assert s.client("sesame").completions.create(model="any", prompt="a", max_tokens=2).usage.completion_tokens
+        assert s.metric("flexoffload_requests_total", key="sesame") == 1  # a refused request took no place
+        s.stop()
+
+
+def test_concurrent_clients_get_single_client_greedy_outputs(kquant_model, monkeypatch):
+    """Twelve requests from eight clients at staggered times on four sequences (the rest wait in the queue), prompts of
+    1 to 19 tokens: each text is the one `flexoffload run` gives for its prompt alone, whatever shared its passes.
+
+    Kernels row by row on both sides (K-quants, GGML_CPU_TILED_MM=0; docs/serve.md says why), so any difference is
+    the serving's: a sequence seeing another's cells, a prompt cached for the wrong slot, a token sampled for the
+    wrong request."""
+    monkeypatch.setenv("GGML_CPU_TILED_MM", "0")
+    prompts = ["a b c d e f g h i j", "x", "q r s", "d c b a a b c d e f g h i j k l m n", "z y x w v", "m n o p"]
+    alone = {p: run_text(kquant_model, p, 32, "-c", "1024") for p in prompts}
+    assert len(set(alone.values())) >= 3  # the prompt matters
+    with Serving("-m", str(kquant_model), "-c", "1024", "-np", "4") as s:
+        client = s.client()
+
+        def ask(i):
+            time.sleep(0.05 * (i % 5))
+            p = prompts[i % len(prompts)]
+            return p, client.completions.create(model="any", prompt=p, max_tokens=32, temperature=0).choices[0].text
+
+        with ThreadPoolExecutor(8) as pool:
+            answers = list(pool.map(ask, range(12)))
+        assert [t for _, t in answers] == [alone[p] for p, _ in answers]
+        assert s.metric("flexoffload_requests_total") == 12
+        assert s.metric("llamacpp:n_decode_total") < 12 * 32  # passes were shared
+        s.stop()
+
+
+def test_streamed_and_budgeted_run_in_a_cgroup(slow_model):
+    """--mem with --enforce: llama-server streams by the plan's -ot lines in a memory cgroup at the budget; its
+    greedy text is run's under the same budget; /metrics reports the budget, the cgroup's peak and the queue."""
+    with Serving("-m", str(slow_model), "-c", "256", "-np", "2", "--mem", "200M", "--strategy", "prefetch",
+                 "--enforce") as s:
+        assert "enforced" in "".join(s.lines) and "prefetch" in "".join(s.lines)
+        cmd = Path(f"/proc/{s.server_pid}/cmdline").read_bytes().split(b"\0")
+        assert b"-ot" in cmd and any(part.endswith(b"=STREAMED") for part in cmd)
+        assert cmd[cmd.index(b"-lm") + 1] == b"mlock"
+        env = dict(kv.split(b"=", 1) for kv in Path(f"/proc/{s.server_pid}/environ").read_bytes().split(b"\0") if kv)
+        assert env[b"LLAMA_STREAM_WINDOW"] == b"3" and env[b"GGML_CPU_SPLIT_KV"] == b"0"
+        text = s.client().completions.create(model="any", prompt="a b c d", max_tokens=16, temperature=0)
+        assert text.choices[0].text == run_text(slow_model, "a b c d", 16, "-c", "256", "--mem", "200M",
+                                                "--strategy", "prefetch")
+        assert s.metric("flexoffload_memory_enforced") == 1
+        assert s.metric("flexoffload_memory_budget_bytes") == 200 << 20
+        assert 0 < s.metric("flexoffload_memory_peak_bytes") <= 200 << 20
+        assert s.metric("flexoffload_disk_read_bytes_per_pass") > 1 << 20  # each pass reads the streamed weights
+        assert s.metric("flexoffload_queue_capacity") == 32 and s.metric("flexoffload_sequences") == 2
+        assert s.metric("llamacpp:tokens_predicted_total") == 16
+        s.stop(signal.SIGINT)
+
+
+def test_queue_full_is_503_and_a_client_that_goes_away_is_cancelled(slow_model):
+    with Serving("-m", str(slow_model), "-c", "1024", "-np", "1", "--queue", "0") as s:
+        # a streamed request holds the one sequence: a second one has no place to wait
+        conn = http.client.HTTPConnection("127.0.0.1", s.port, timeout=60)
+        conn.request("POST", "/v1/completions", body=json.dumps(
+            {"prompt": "a b c", "max_tokens": 900, "stream": True, "temperature": 0}))
+        r = conn.getresponse()
+        assert r.status == 200 and r.readline().startswith(b"data: ")
+        status, answer = s.request("POST", "/v1/completions", json.dumps({"prompt": "a", "max_tokens": 2}).encode())
+        assert status == 503 and answer["error"]["type"] == "unavailable_error" and "queue" in answer["error"]["message"]
+        assert s.metric("flexoffload_requests_rejected_total") == 1
+        assert s.metric("llamacpp:requests_processing") == 1
+
+        # the client goes away mid-stream: its sequence is cancelled long before its 900 tokens
+        conn.sock.shutdown(socket.SHUT_RDWR)
+        conn.close()
+        deadline = time.time() + 30
+        while s.metric("llamacpp:requests_processing") != 0:
+            assert time.time() < deadline, "the stream's sequence was not cancelled"
+            time.sleep(0.1)
+        assert s.metric("llamacpp:tokens_predicted_total") < 900
+        assert s.metric("flexoffload_requests_cancelled_total") == 1
+
+        # a client of a request that is not streamed goes away too (llama-server looks each second)
+        with pytest.raises(openai.APITimeoutError):
+            s.client(timeout=1.0).completions.create(model="any", prompt="b c d", max_tokens=900, temperature=0)
+        deadline = time.time() + 30
+        while s.metric("flexoffload_requests_cancelled_total") != 2 or s.metric("llamacpp:requests_processing"):
+            assert time.time() < deadline, "the request's sequence was not cancelled"
+            time.sleep(0.1)
+        assert s.metric("llamacpp:tokens_predicted_total") < 2 * 900
+
+        # and the sequence serves the next request
+        assert s.client().completions.create(model="any", prompt="a", max_tokens=3).usage.completion_tokens == 3
+        s.stop()
+
+
+def test_refusals_before_anything_starts(tiny_model):
+    r = cli("serve", "-m", str(tiny_model), "--port", "0", "--", "-c", "64")
+    assert r.returncode != 0 and "serve's own" in r.stderr and "Traceback" not in r.stderr
+    r = cli("serve", "-m", str(tiny_model), "--port", "0", "-c", "64", "-np", "8")
+    assert r.returncode != 0 and "at least 16 cells" in r.stderr
+    r = cli("serve", "-m", str(tiny_model), "--port", "0", "--mem", "1M")
+    assert r.returncode != 0 and "too small" in r.stderr and "Traceback" not in r.stderr
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        r = cli("serve", "-m", str(tiny_model), "--port", str(taken.getsockname()[1]))
+    assert r.returncode != 0 and "cannot listen" in r.stderr
+
+
+def test_llama_server_flags_from_the_runs_settings():
+    """The engine's settings as llama-server's flags: the plan's overrides each an -ot, the streaming runtime's
+    settings in the environment, -c shared by the sequences."""
+    from flexoffload.runtime import server
+    from flexoffload.runtime.engine import Settings
+
+    settings = Settings(n_ctx=4096, n_batch=256, n_threads=3, strategy="stream", window=2, io_threads=5,
+                        streamed_patterns=(r"^blk\.\d+\.ffn_up\.weight$", r"^output\.weight$"))
+    args = server.llama_server_args("/m/model.gguf", settings, 4, "/tmp/x/llama.sock", ("--jinja",))
+    pairs = {a: args[i + 1] for i, a in enumerate(args[:-1]) if a.startswith("-") and not args[i + 1].startswith("-")}
+    assert pairs["-c"] == "4096" and pairs["-np"] == "4" and "-no-kvu" in args  # each sequence its own 1024 cells
+    assert pairs["-b"] == "256" and pairs["-ub"] == "256" and pairs["-t"] == "3" and pairs["-lm"] == "mlock"
+    assert [args[i + 1] for i, a in enumerate(args) if a == "-ot"] == [
+        r"^blk\.\d+\.ffn_up\.weight$=STREAMED", r"^output\.weight$=STREAMED"]
+    assert args[-1] == "--jinja" and "--no-repack" in args and pairs["--host"] == "/tmp/x/llama.sock"
+    assert server.environment(settings) == {"LLAMA_STREAM_WINDOW": "2", "LLAMA_STREAM_IO_THREADS": "5",
+                                            "LLAMA_STREAM_CHUNK_BYTES": str(settings.chunk_bytes)}
+    mmap = server.llama_server_args("/m/model.gguf", Settings(strategy="mmap"), 1, "/s.sock")
+    assert "-ot" not in mmap and mmap[mmap.index("-lm") + 1] == "mmap" and server.environment(Settings()) == {}
+
+
+@pytest.mark.integration
+def test_real_model_concurrent_greedy_equals_run_under_a_budget(real_model, monkeypatch):
+    """The real 1.5B (K-quants) at 0.5x of its size, enforced, four clients at once on four sequences: each greedy
+    text is `run`'s for its prompt alone (kernels row by row on both sides, as in the test above), the server
+    streams (bytes read per pass) and the cgroup's peak stays within the budget."""
+    monkeypatch.setenv("GGML_CPU_TILED_MM", "0")
+    prompts = ["def quicksort(arr):", "def fibonacci(n):", "class Stack:", "import os\n\ndef walk(path):"]
+    alone = {p: run_text(real_model, p, 24, "-c", "1024") for p in prompts}
+    with Serving("-m", str(real_model), "-c", "1024", "-np", "4", "--mem", "0.5x", "--enforce") as s:
+        client = s.client()
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            texts = list(pool.map(lambda p: client.completions.create(
+                model="any", prompt=p, max_tokens=24, temperature=0).choices[0].text, prompts))
+        assert dict(zip(prompts, texts)) == alone
+        assert "return" in "".join(texts)  # a real model writes real code
+        budget = s.metric("flexoffload_memory_budget_bytes")
+        assert 0 < s.metric("flexoffload_memory_peak_bytes") <= budget
+        assert s.metric("flexoffload_disk_read_bytes_per_pass") > 0  # it streams
+        s.stop()
