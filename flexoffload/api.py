@@ -54,6 +54,7 @@ class Request:
     plan_dir: str | None = None  # stream by a saved plan
     window: int | None = None  # None: the plan's
     io_threads: int | None = None  # None: the plan's, else IO_THREADS
+    expert_slots: int | None = None  # a mixture of experts: experts each layer keeps cached (None: the plan's)
     draft: str | None = None  # a draft model kept resident: token-tree speculation
     draft_max: int | None = None
     draft_p_split: float = 0.3
@@ -290,12 +291,29 @@ def plan_for_run(model, r: Request, limit: int | None, n_outputs: int = 1, n_seq
 
         budget = limit if limit is not None else 4 * model.file_size + (1 << 30)
         return make_plan(model, budget, policy, profiler.measure(model, r.n_threads), window=window,
-                         io_threads=r.io_threads or IO_THREADS, **stepmem.run_costs(model, setting, budget))
+                         io_threads=r.io_threads or IO_THREADS, slots=r.expert_slots,
+                         hit_rate=expert_hit_rate(model), **stepmem.run_costs(model, setting, budget))
     budget = limit if limit is not None else 4 * model.file_size + (1 << 30)
     run = footprint.measure(model, r.n_ctx, r.n_batch, n_outputs, n_seq_max)
     check_budget(model, budget, run, window, draft)  # a budget too small is refused before the profile runs
     return plan_budget(model, budget, policy, profiler.measure(model, r.n_threads), run, window=window,
-                       io_threads=r.io_threads or IO_THREADS, draft=draft)
+                       io_threads=r.io_threads or IO_THREADS, draft=draft, slots=r.expert_slots,
+                       hit_rate=expert_hit_rate(model))
+
+
+def expert_hit_rate(model):
+    """A mixture of experts' hit rate by slots from its measured routing (`profile --experts`), replayed through the
+    runtime's LRU cache; None (the planner assumes uniform routing, the worst case) where none was measured."""
+    if not model.n_expert:
+        return None
+    from flexoffload.measure import experts as tracing
+    from flexoffload.plan import experts as cache
+
+    trace = tracing.cached(model)
+    if trace is None:
+        return None
+    rates: dict[int, float] = {}
+    return lambda slots: rates.setdefault(slots, cache.simulate(trace, slots, "lru").hit_rate)
 
 
 LONG_PROMPT = 256  # tokens: a prompt longer than this has its prefill's ubatch chosen (prefill.py)
@@ -561,6 +579,7 @@ def engine_settings(p: Prepared):
         n_gpu_layers=plan.placement["n_gpu_layers"] if plan and plan.placement else r.n_gpu_layers,
         tensor_split=tuple(plan.placement["tensor_split"]) if plan and plan.placement else (),
         window=(r.window if r.window is not None else plan.window) if plan else 0,
+        expert_slots=plan.experts["slots"] if plan and plan.experts else -1,
         io_threads=r.io_threads or (plan.io_threads if plan else IO_THREADS), verbose=r.verbose)
 
 

@@ -1,7 +1,7 @@
 """Mixtures of experts, synthetic (random weights route uniformly; real shapes): written as llama.cpp loads them,
 read with their experts as a kind of their own, refused in one line where header and tensors disagree, and run
-under a budget whose mmap minimum counts one token's routed experts (issue 28, items 3-5 so far). Expert tensors
-do not stream yet: a plan keeps them resident."""
+under a budget whose mmap minimum counts one token's routed experts; expert tensors stream by expert (patches
+0018-0019) with a per-layer cache whose size the plan chooses (issue 28)."""
 
 import dataclasses
 import json
@@ -14,6 +14,7 @@ from flexoffload.gguf import synth
 from flexoffload.gguf.model import load
 from flexoffload.measure import footprint
 from flexoffload.memory import budget as budgets
+from flexoffload.plan import expertcache
 from flexoffload.plan.planners import run_minimum
 
 MOE = ["llama-moe-tiny", "qwen3moe-tiny"]
@@ -39,18 +40,35 @@ STREAMED = {"llama-moe-tiny": dict(n_embd=512, n_ff=512, n_vocab=4096),
 
 
 @pytest.mark.parametrize("name", MOE)
-def test_a_moe_streamed_under_a_budget_gives_mmap_s_tokens(name, tmp_path):
-    """Expert tensors stay resident (the streamed buffer type does not take MUL_MAT_ID: llama.cpp would load them
-    into CPU_REPACK), the rest streams, and greedy tokens are mmap's."""
+@pytest.mark.parametrize("slots", [None, 0, 1])
+def test_a_moe_streamed_by_expert_gives_mmap_s_tokens(name, slots, tmp_path):
+    """At the least budget it runs in, the plan streams every expert tensor (by expert) and the rest as for a dense
+    model; greedy tokens are mmap's whatever the cache keeps (none, one expert a layer, the plan's choice), and the
+    runtime reads experts only as the routing asks: a cache of s slots a layer, per pass, finds at most s of a
+    token's k routed experts, and reads the others."""
     path = synth.write(tmp_path / f"{name}.gguf", dataclasses.replace(synth.SHAPES[name], **STREAMED[name]))
     m = load(path)
     request = api.Request(model=str(path), prompt="a b c d", n_predict=12, temp=0, n_ctx=256, n_batch=32)
     alone = api.generate(dataclasses.replace(request, strategy="mmap"))
-    mem = run_minimum(m, footprint.measure(m, 256, 32))  # the least it runs in: everything else streams
-    prepared = api.prepare(dataclasses.replace(request, mem=str(mem), strategy="stream"))
-    assert {t.name for t in m.tensors if t.kind == "expert"} <= set(prepared.plan.resident)
+    # the least it runs in, and room for the slots asked for (the slack grows with the budget)
+    extra = expertcache.memory(m, slots or 0) - expertcache.memory(m, 0)
+    mem = run_minimum(m, footprint.measure(m, 256, 32)) + 2 * extra
+    prepared = api.prepare(dataclasses.replace(request, mem=str(mem), strategy="stream", expert_slots=slots))
+    experts = {t.name for t in m.tensors if t.kind == "expert"}
+    assert experts <= set(prepared.plan.streamed) and not experts & set(prepared.plan.resident)
+    assert prepared.plan.memory.experts >= expertcache.memory(m, prepared.plan.experts["slots"])
     streamed = api.run_prepared(prepared)
-    assert streamed["tokens"] == alone["tokens"] and streamed["plan"]["streamed_mb"] > 0
+    assert streamed["tokens"] == alone["tokens"]
+    t = streamed["timings"]
+    passes = t["stream_passes"]
+    assert t["expert_uses"] >= m.n_layer * m.n_expert_used * (passes - 1)  # every decode pass: k per layer
+    one = sum(x.n_bytes for x in m.tensors if x.kind == "expert") // m.n_expert // m.n_layer
+    misses = t["expert_uses"] * (1 - t["expert_hit_rate"])
+    assert t["expert_bytes_read"] == pytest.approx(misses * one, rel=1e-6)
+    if slots == 0:
+        assert t["expert_hit_rate"] == 0
+    if slots is not None:  # a layer's hits: at most its slots of a token's experts
+        assert t["expert_hit_rate"] <= slots / m.n_expert_used + 1e-9
 
 
 def test_the_mmap_minimum_counts_one_token_s_experts(tmp_path):

@@ -218,7 +218,10 @@ def plan(model_spec, mem, policy, rpc, placement, ctx_size, batch_size, threads,
         p = api.tune(model, budget, profile, ctx_size, batch_size, tune_best, tune_rounds,
                      echo=None if as_json else lambda msg: click.echo(msg, err=True))
     else:
-        p = plan_budget(model, budget, policy, profile, run, window=window, io_threads=io_threads)
+        from flexoffload import api
+
+        p = plan_budget(model, budget, policy, profile, run, window=window, io_threads=io_threads,
+                        hit_rate=api.expert_hit_rate(model))
     plans.write(p, out_dir)
     if as_json:
         click.echo(json.dumps(p.to_dict()))
@@ -230,6 +233,10 @@ def plan(model_spec, mem, policy, rpc, placement, ctx_size, batch_size, threads,
                f"per token ({len(p.streamed)} tensors) through a window of {p.window} ({m.window / MiB:.0f} MiB)")
     click.echo(f"  KV cache {m.kv_cache / MiB:.0f} MiB, compute buffers {m.compute / MiB:.0f} MiB, "
                f"runtime {m.overhead / MiB:.0f} MiB: {m.total / MiB:.0f} of {p.budget / MiB:.0f} MiB")
+    if p.experts:
+        x = p.experts
+        click.echo(f"  experts: {x['slots']} of {model.n_expert} cached a layer ({m.experts / MiB:.0f} MiB with a "
+                   f"batch's), predicted hit rate {x['hit_rate']:.0%}, {x['bytes_per_token'] / MiB:.1f} MiB read a token")
     click.echo(f"  predicted {p.predicted_tok_s:.2f} tok/s; roofline {p.roofline_tok_s:.2f} tok/s")
     if p.tuning:
         from flexoffload.measure import tune

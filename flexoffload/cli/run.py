@@ -17,7 +17,7 @@ def request_from_flags(model_spec, prompt, prompt_file, n_predict, ctx_size, bat
                        spec_mode, no_pacer, no_adaptive, no_adaptive_split, pipeline, draft_always, tuned, verbose,
                        rpc=None, n_gpu_layers=0, placement="auto", n_ubatch=0, flash_attn="auto",
                        cache_type_k="f16", cache_type_v="f16", precision=None, max_kld=None, min_tok_s=None,
-                       original=None):
+                       original=None, expert_slots=None):
     """api.Request from `run`'s flags (the prompt read from -f as llama.cpp reads it)."""
     from flexoffload import api
 
@@ -29,7 +29,7 @@ def request_from_flags(model_spec, prompt, prompt_file, n_predict, ctx_size, bat
         adaptive_split=not no_adaptive_split, pipeline=pipeline, draft_always=draft_always, tuned=tuned,
         verbose=verbose, rpc=rpc, n_gpu_layers=n_gpu_layers, placement=placement, n_ubatch=n_ubatch,
         flash_attn=flash_attn, cache_type_k=cache_type_k, cache_type_v=cache_type_v, precision=precision,
-        max_kld=max_kld, min_tok_s=min_tok_s, original=original)
+        max_kld=max_kld, min_tok_s=min_tok_s, original=original, expert_slots=expert_slots)
 
 
 def request_from_args(args: list[str]):
@@ -68,6 +68,8 @@ def request_from_args(args: list[str]):
 @click.option("--plan", "plan_dir", type=click.Path(file_okay=False), help="stream by a saved plan (flexoffload plan)")
 @click.option("--window", type=int, default=None, help="prefetch window in layers [default: the plan's]")
 @click.option("--io-threads", type=int, default=None, help="threads reading streamed weights [default: the plan's, 4]")
+@click.option("--expert-slots", type=click.IntRange(min=0), default=None,
+              help="a mixture of experts: experts each layer keeps cached [default: the plan's]")
 @click.option("-md", "--model-draft", "draft_spec", metavar="MODEL",
               help="a draft model kept resident: token-tree speculation (same vocabulary as the target)")
 @click.option("--draft-max", type=int, default=None,
@@ -100,7 +102,7 @@ def run(model_spec, prompt, prompt_file, n_predict, ctx_size, batch_size, n_ubat
         cache_type_v, threads, temp, seed,
         mem, enforce, strategy, policy, plan_dir, window, io_threads, draft_spec, draft_max, draft_p_split, spec_mode,
         no_pacer, no_adaptive, no_adaptive_split, pipeline, draft_always, tuned, rpc, n_gpu_layers, placement,
-        precision, max_kld, min_tok_s, original, as_json, verbose):
+        precision, max_kld, min_tok_s, original, expert_slots, as_json, verbose):
     """Generate text from a prompt (with -md: speculation by a resident draft model)."""
     from flexoffload import api
 
@@ -108,7 +110,8 @@ def run(model_spec, prompt, prompt_file, n_predict, ctx_size, batch_size, n_ubat
                                  seed, mem, strategy, policy, plan_dir, window, io_threads, draft_spec, draft_max,
                                  draft_p_split, spec_mode, no_pacer, no_adaptive, no_adaptive_split, pipeline,
                                  draft_always, tuned, verbose, rpc, n_gpu_layers, placement, n_ubatch, flash_attn,
-                                 cache_type_k, cache_type_v, precision, max_kld, min_tok_s, original)
+                                 cache_type_k, cache_type_v, precision, max_kld, min_tok_s, original,
+                                 expert_slots=expert_slots)
     on_text = None if as_json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
     result = api.generate(request, on_text=on_text, enforce=enforce, echo=lambda msg: click.echo(msg, err=True))
     _report(result, as_json)

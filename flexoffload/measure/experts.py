@@ -133,6 +133,12 @@ def cache_path(model: Model, text: str | list[int], max_tokens: int, n_ctx: int,
     return cache_dir() / "profiles" / f"{file_key(model.path)}-experts-{key}.json"
 
 
+def cached(model: Model) -> Trace | None:
+    """The calibration text's trace if `profile --experts` (or a plan) measured it already, else None."""
+    path = cache_path(model, calibration_text(), MAX_TOKENS, CTX, UBATCH)
+    return Trace.read(path) if path.is_file() else None
+
+
 def trace(model: Model, text: str | list[int] | None = None, n_threads: int | None = None,
           max_tokens: int = MAX_TOKENS, n_ctx: int = CTX, n_ubatch: int = UBATCH, remeasure: bool = False) -> Trace:
     """The experts the first max_tokens tokens of a text (or a list of its tokens; None: the HumanEval tuning

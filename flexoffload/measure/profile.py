@@ -143,8 +143,8 @@ def compute_speed(path: str | os.PathLike, n_threads: int, n_tokens: int = 24) -
 
 def _cache_path(model: Model, n_threads: int) -> Path:
     # v2: the disk read as the runtime reads it (pass_requests), not one cold sequential read; v3: into huge pages;
-    # v4: a tied output's matmul counted in the calibration
-    return cache_dir() / "profiles" / f"{file_key(model.path)}-t{n_threads}-v4.json"
+    # v4: a tied output's matmul counted in the calibration; v5: a MoE's routed experts counted
+    return cache_dir() / "profiles" / f"{file_key(model.path)}-t{n_threads}-v5.json"
 
 
 # Reads that show a sustained bandwidth: at least this many bytes, all with O_DIRECT (a small model's few reads say

@@ -37,7 +37,20 @@ class LayerStats(ctypes.Structure):
                 ("t_stall_s", ctypes.c_double), ("t_wall_s", ctypes.c_double)]
 
 
+class ExpertsConfig(ctypes.Structure):
+    _fields_ = [("slots", ctypes.c_int32), ("policy", ctypes.c_int32)]
+
+
+class ExpertsStats(ctypes.Structure):
+    _fields_ = [("n_uses", ctypes.c_uint64), ("n_hits", ctypes.c_uint64), ("n_reads", ctypes.c_uint64),
+                ("bytes_read", ctypes.c_uint64), ("n_evictions", ctypes.c_uint64), ("bytes_cached", ctypes.c_int64),
+                ("bytes_cached_peak", ctypes.c_int64)]
+
+
+EXPERT_POLICIES = ("lru", "lfu")  # enum ggml_cpu_streamed_experts_policy, in order
+
 _api = None
+_cpu = None
 
 
 def api():
@@ -87,6 +100,42 @@ def configure(window: int, io_threads: int, direct_io: bool = True, chunk_bytes:
     p.window, p.n_io_threads, p.direct_io, p.chunk_bytes = window, io_threads, direct_io, chunk_bytes
     if not api().llama_stream_set_params(ctypes.byref(p)):
         raise FlexoffloadError("streaming is not supported by this build")
+
+
+def _cpu_lib():
+    """The CPU backend's library (ggml-cpu-streamed-experts.h is a ggml C API: libllama does not re-export it)."""
+    global _cpu
+    if _cpu is None:
+        from flexoffload.native import build_dir
+
+        api()  # libllama loaded: its libggml-cpu is the one in the build folder
+        lib = ctypes.CDLL(str(build_dir() / "libggml-cpu.so"))
+        try:
+            lib.ggml_backend_cpu_streamed_experts_set_config.argtypes = [ctypes.POINTER(ExpertsConfig)]
+        except AttributeError:
+            raise FlexoffloadError("this build streams no experts: run `make setup` to rebuild it") from None
+        lib.ggml_backend_cpu_streamed_experts_set_config.restype = None
+        lib.ggml_backend_cpu_streamed_experts_get_stats.argtypes = [ctypes.c_void_p, ctypes.POINTER(ExpertsStats)]
+        lib.ggml_backend_cpu_streamed_experts_get_stats.restype = None
+        _cpu = lib
+    return _cpu
+
+
+def configure_experts(slots: int, policy: str = "lru") -> None:
+    """A mixture of experts' expert cache: experts each layer keeps between tokens (-1: all it has read), and which
+    to give back first (lru, lfu). Applies from the next layer computed."""
+    if policy not in EXPERT_POLICIES:
+        raise FlexoffloadError(f"unknown expert cache policy {policy!r}: one of {', '.join(EXPERT_POLICIES)}")
+    c = ExpertsConfig(slots=max(-1, slots), policy=EXPERT_POLICIES.index(policy))
+    _cpu_lib().ggml_backend_cpu_streamed_experts_set_config(ctypes.byref(c))
+
+
+def expert_stats() -> dict:
+    """The expert cache's counters since the last reset, for the process: uses (routed experts, per layer and
+    pass), hits, slices read and their bytes, evictions, bytes cached now and at peak."""
+    s = ExpertsStats()
+    _cpu_lib().ggml_backend_cpu_streamed_experts_get_stats(None, ctypes.byref(s))
+    return {name: getattr(s, name) for name, _ in ExpertsStats._fields_}
 
 
 def params() -> StreamParams:

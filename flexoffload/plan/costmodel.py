@@ -164,8 +164,10 @@ class Profile:
         """
         t = 1.0 / tok_s
         unit = cls(disk_bw=disk_bw, default_sec_per_byte=1.0)
-        # by matmuls, token_embd's row, and token_embd whole where the output is tied to it
+        # by matmuls, token_embd's row, token_embd whole where the output is tied to it, and the routed experts'
+        # share of the expert tensors (a token multiplies by those only)
         bytes_read = sum(unit.compute_seconds(x) for x in model.tensors) + sum(x.n_bytes for x in tied_output(model))
+        bytes_read += sum(model.token_bytes(x) for x in model.tensors if x.kind == "expert")
         return cls(disk_bw=disk_bw, io_latency=io_latency,
                    default_sec_per_byte=t * (1 - overhead_share) / bytes_read,
                    layer_overhead=t * overhead_share * 0.8 / max(model.n_layer, 1),

@@ -43,6 +43,7 @@ class Memory:
     compute: int  # compute buffers
     overhead: int  # the heap, the runtime's anonymous memory, the kernel's, a margin (and a resident draft model)
     code: int = 0  # the runtime's file pages (libraries): reclaimable, but the run faults them back in
+    experts: int = 0  # a mixture of experts' expert cache, and the experts a batch holds beyond it (expertcache.py)
 
     @property
     def total(self) -> int:
@@ -51,7 +52,7 @@ class Memory:
     @property
     def unreclaimable(self) -> int:
         """What the run holds that reclaim cannot take back (the matrix's measured peak is of this)."""
-        return self.resident + self.window + self.kv_cache + self.compute + self.overhead
+        return self.resident + self.window + self.kv_cache + self.compute + self.overhead + self.experts
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,8 @@ class Plan:
     # and transfer; tensors the layer assignment puts on a device are resident here too, at no bytes
     precision: dict | None = None  # plan --precision auto (mixed.py): the source file, the types changed, the
     # predicted and measured quality; `model` is then the requantized file
+    experts: dict | None = None  # a mixture of experts: the expert cache's slots per layer and policy, the hit rate,
+    # expert bytes read per token and the seconds they add that the plan predicts (expertcache.py)
 
     def write(self, directory: str | os.PathLike) -> Path:
         """Write the plan's files (tensors.ot, plan.json) into directory: `run --plan DIRECTORY` streams by them."""
@@ -100,11 +103,14 @@ class Plan:
 
 def streamed_bytes(plan: Plan, model) -> int:
     """Bytes a decode pass reads from disk under the plan: the streamed tensors' sizes, but for a tensor only looked
-    up (a streamed token_embd the output is not tied to) the one row a token looks up."""
+    up (a streamed token_embd the output is not tied to) the one row a token looks up, and of expert tensors the
+    routed experts the expert cache is predicted to miss."""
     from flexoffload.plan.costmodel import looked_up_only, row_bytes
 
     streamed = set(plan.streamed)
-    return sum(row_bytes(t) if looked_up_only(model, t) else t.n_bytes for t in model.tensors if t.name in streamed)
+    experts = plan.experts["bytes_per_token"] if plan.experts else 0  # the routed experts the cache lacks
+    return experts + sum(row_bytes(t) if looked_up_only(model, t) else t.n_bytes for t in model.tensors
+                         if t.name in streamed and t.kind != "expert")
 
 
 def _escape(text: str) -> str:

@@ -36,6 +36,7 @@ class Settings:
     window: int = WINDOW
     io_threads: int = IO_THREADS
     chunk_bytes: int = CHUNK_BYTES  # streamed tensors larger than this are read in row chunks
+    expert_slots: int = -1  # a mixture of experts: experts each layer keeps between tokens (-1: all it read)
     n_outputs: int = 1  # logits rows one forward pass returns (a speculation tree needs one per node)
     n_seq_max: int = 1  # sequences in the KV cache (a speculation tree: one per branch, in one unified cache)
     n_ubatch: int = 0  # tokens a forward pass computes at once (llama.cpp's -ub); 0: n_batch
@@ -114,10 +115,15 @@ def stream_timings(elapsed_s: float, model) -> dict:
     from flexoffload.native import stream
 
     st = stream.stats(model, layers=False)
-    return {"stream_bytes_read": st.bytes_read, "stream_reads": st.n_reads, "stream_direct": st.n_direct,
-            "stream_stall_s": st.t_stall_s, "stream_read_s": st.t_read_s, "stream_passes": st.n_passes,
-            "stream_rereads": st.n_rereads, "stream_committed_peak": st.bytes_committed_peak,
-            "stream_read_gb_s": st.bytes_read / max(elapsed_s, 1e-9) / 1e9}
+    timings = {"stream_bytes_read": st.bytes_read, "stream_reads": st.n_reads, "stream_direct": st.n_direct,
+               "stream_stall_s": st.t_stall_s, "stream_read_s": st.t_read_s, "stream_passes": st.n_passes,
+               "stream_rereads": st.n_rereads, "stream_committed_peak": st.bytes_committed_peak,
+               "stream_read_gb_s": st.bytes_read / max(elapsed_s, 1e-9) / 1e9}
+    experts = stream.expert_stats()  # of the process: a draft model is dense
+    if experts["n_uses"]:
+        timings.update(expert_uses=experts["n_uses"], expert_hit_rate=experts["n_hits"] / experts["n_uses"],
+                       expert_bytes_read=experts["bytes_read"], expert_cached_peak=experts["bytes_cached_peak"])
+    return timings
 
 
 class _Log:
@@ -282,6 +288,7 @@ class Engine:
             raise_memlock_limit()
             mparams.load_mode = lib.LLAMA_LOAD_MODE_MLOCK
             stream.configure(settings.window, settings.io_threads, chunk_bytes=settings.chunk_bytes)
+            stream.configure_experts(settings.expert_slots)
             buft = stream.buffer_type()
             overrides = [(p.encode(), buft) for p in settings.streamed_patterns] + overrides
         if overrides:
@@ -402,7 +409,7 @@ class Engine:
             for i in range(0, len(prompt_tokens), self.n_batch):
                 self._decode(prompt_tokens[i:i + self.n_batch])
             n_past, n_decoded = len(prompt_tokens), 0
-            t_first = None
+            t_first, steps = None, []  # each decode pass's time
             while n_predict < 0 or len(tokens) < n_predict:
                 token = lib.llama_sampler_sample(sampler, self.ctx, -1)
                 if t_first is None:
@@ -418,15 +425,21 @@ class Engine:
                     break
                 if n_predict >= 0 and len(tokens) >= n_predict:
                     break
+                t_step = time.perf_counter()
                 self._decode([token])
+                steps.append(time.perf_counter() - t_step)
                 n_past += 1
                 n_decoded += 1
             t_end = time.perf_counter()
         finally:
             lib.llama_sampler_free(sampler)
         timings = {}
+        if steps:  # a slow token is what a user notices: a cache's misses come in bursts
+            ordered = sorted(steps)
+            timings["token_p50_s"] = ordered[len(ordered) // 2]
+            timings["token_p95_s"] = ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))]
         if self.settings.strategy != "mmap":
-            timings = {"resident_locked": not self.log.mlock_failed, "made_resident": self.made_resident,
-                       **stream_timings(t_end - t_start, self.model)}
+            timings.update(resident_locked=not self.log.mlock_failed, made_resident=self.made_resident,
+                           **stream_timings(t_end - t_start, self.model))
         return Result.of(prompt_tokens, out, (t_start, t_first or t_end, t_end), n_decoded, self.load_s,
                          self.settings.strategy, stop, timings)

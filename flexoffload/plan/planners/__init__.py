@@ -27,12 +27,14 @@ Rules shared by all policies (`base`):
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Iterable
+from dataclasses import replace
 
 from flexoffload import FlexoffloadError
 from flexoffload.defaults import IO_THREADS, SMALL_BYTES
 from flexoffload.gguf.model import Model, Tensor
 from flexoffload.memory.budget import format_size
 from flexoffload.memory.footprint import Footprint, costs, smallest_budget
+from flexoffload.plan import expertcache
 from flexoffload.plan.costmodel import Pipeline, Profile, roofline, rows_memory, window_bytes_of
 from flexoffload.plan.plan import Memory, Plan
 
@@ -48,9 +50,9 @@ def is_small(t: Tensor) -> bool:
 
 
 def always_resident(model: Model) -> set[str]:
-    """The small tensors, and a mixture of experts' expert tensors: the streamed buffer type does not take
-    MUL_MAT_ID's weights (llama.cpp loads them into CPU_REPACK instead), so they are resident until experts stream."""
-    return {t.name for t in model.tensors if is_small(t) or t.kind == "expert"}
+    """The small tensors. (A mixture of experts' expert tensors are never resident: they stream by expert, with a
+    cache of their own, expertcache.py.)"""
+    return {t.name for t in model.tensors if is_small(t) and t.kind != "expert"}
 
 
 def memory_for(model: Model, resident: Collection[str], window: int) -> int:
@@ -204,13 +206,15 @@ def minimum_budget(model: Model, window: int | None = None, kv_cache: int = 0, c
     buffers, KV cache, compute buffers, overhead and code (window None: the least over AUTO_WINDOWS, i.e. window 0).
     Streaming a tensor moves its bytes to the window at most (a chunked one: a few chunks), so no plan needs less."""
     windows = AUTO_WINDOWS if window is None else (window,)
+    experts = expertcache.memory(model, 0) if model.n_expert else 0
+    model = expertcache.dense(model) if model.n_expert else model
     small = always_resident(model)
-    return min(memory_for(model, small, w) for w in windows) + kv_cache + compute + overhead + code
+    return min(memory_for(model, small, w) for w in windows) + experts + kv_cache + compute + overhead + code
 
 
 def make_plan(model: Model, budget: int, policy: str, profile: Profile, window: int | None = None,
               io_threads: int = IO_THREADS, kv_cache: int = 0, compute: int = 0, overhead: int = 0,
-              code: int = 0) -> Plan:
+              code: int = 0, slots: int | None = None, hit_rate: expertcache.HitRate | None = None) -> Plan:
     """Plan a whole-process budget: resident weights + window + KV cache + compute buffers + overhead + code.
 
     window None: the one of AUTO_WINDOWS the cost model predicts fastest for this policy and budget. A deeper
@@ -219,6 +223,9 @@ def make_plan(model: Model, budget: int, policy: str, profile: Profile, window: 
     """
     if policy not in POLICIES:
         raise FlexoffloadError(f"unknown policy {policy!r}: one of {', '.join(POLICIES)}")
+    if model.n_expert:
+        return _moe_plan(model, budget, policy, profile, window, io_threads, kv_cache, compute, overhead, code,
+                         slots, hit_rate)
     windows = AUTO_WINDOWS if window is None else (window,)
     refuse_below(model, budget, min(minimum_budget(model, w, kv_cache, compute, overhead, code) for w in windows),
                  min(windows))
@@ -246,6 +253,43 @@ def make_plan(model: Model, budget: int, policy: str, profile: Profile, window: 
     )
 
 
+def _moe_plan(model: Model, budget: int, policy: str, profile: Profile, window: int | None, io_threads: int,
+              kv_cache: int, compute: int, overhead: int, code: int, slots: int | None,
+              hit_rate: expertcache.HitRate | None) -> Plan:
+    """A mixture of experts: the dense tensors planned as a dense model's in what the expert cache leaves, for each
+    slot count (slots None: the candidates), the fastest predicted. Expert tensors all stream, by expert."""
+    windows = AUTO_WINDOWS if window is None else (window,)
+    refuse_below(model, budget, min(minimum_budget(model, w, kv_cache, compute, overhead, code) for w in windows),
+                 min(windows))
+    hit_rate = hit_rate or expertcache.uniform(model)
+    base_model = expertcache.dense(model)
+    best = None
+    for s in ([slots] if slots is not None else expertcache.candidates(model)):
+        experts = expertcache.memory(model, s)
+        rest = budget - experts
+        if rest < min(minimum_budget(base_model, w, kv_cache, compute, overhead, code) for w in windows):
+            continue
+        p = make_plan(base_model, rest, policy, profile, window, io_threads, kv_cache, compute, overhead, code)
+        c = expertcache.cost(model, s, profile, hit_rate, io_threads)
+        seconds = 1.0 / p.predicted_tok_s + c.seconds
+        if best is None or seconds < best[0]:
+            best = seconds, p, c, experts
+    if best is None:
+        need = minimum_budget(model, min(windows), kv_cache, compute, overhead, code) \
+            + expertcache.memory(model, slots) - expertcache.memory(model, 0)
+        raise FlexoffloadError(f"budget {format_size(budget)} is too small for {model.path.name} with {slots} expert "
+                               f"slots a layer: the minimum is {format_size(need, up=True)}")
+    seconds, p, c, experts = best
+    expert_names = {t.name for t in model.tensors if t.kind == "expert"}
+    streamed = set(p.streamed) | expert_names
+    return replace(
+        p, model=str(model.path), budget=budget, memory=replace(p.memory, experts=experts),
+        streamed=tuple(t.name for t in model.tensors if t.name in streamed),
+        predicted_tok_s=1.0 / seconds,
+        experts={"slots": c.slots, "policy": "lru", "hit_rate": c.hit_rate, "bytes_per_token": c.bytes_per_token,
+                 "seconds": c.seconds})
+
+
 def refuse_below(model: Model, budget: int, need: int, window: int) -> None:
     if budget < need:
         raise FlexoffloadError(f"budget {format_size(budget)} is too small for {model.path.name} with window "
@@ -261,13 +305,14 @@ def ceiling(profile: Profile) -> Profile:
 
 
 def plan_budget(model: Model, budget: int, policy: str, profile: Profile, run: Footprint,
-                window: int | None = None, io_threads: int = IO_THREADS, draft: int = 0) -> Plan:
+                window: int | None = None, io_threads: int = IO_THREADS, draft: int = 0, slots: int | None = None,
+                hit_rate: expertcache.HitRate | None = None) -> Plan:
     """make_plan with what a run takes beside the weights at its settings, run (the Footprint llama.cpp reports and
     the probe measures: measure.footprint); draft is what a resident draft model takes (resident_bytes), counted
     with the overhead."""
     check_budget(model, budget, run, window, draft)
-    return make_plan(model, budget, policy, profile, window=window, io_threads=io_threads,
-                     **costs(run, draft, budget))
+    return make_plan(model, budget, policy, profile, window=window, io_threads=io_threads, slots=slots,
+                     hit_rate=hit_rate, **costs(run, draft, budget))
 
 
 def check_budget(model: Model, budget: int, run: Footprint, window: int | None = None, draft: int = 0) -> None:
