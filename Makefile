@@ -6,7 +6,7 @@ CACHE  := $(or $(FLEXOFFLOAD_CACHE),$(HOME)/.cache/flexoffload)
 PROMPT ?= def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n
 MEM    ?= 0.5x
 
-.PHONY: setup native models run test test-fast upstream-test bench clean
+.PHONY: setup native models run test test-fast upstream-test server-test bench clean
 
 setup: $(VENV)/.installed native
 
@@ -36,6 +36,11 @@ test: models
 # llama.cpp's own tests (ctest) on the patched tree, network tests excluded (CI runs it after `make test`)
 upstream-test: setup
 	scripts/upstream_tests
+
+# llama.cpp's own server tests (tools/server/tests/unit of the pinned tree) against `flexoffload serve`, on a synthetic
+# model; the tests that do not apply are listed with their reasons in scripts/server_tests (about 8 minutes)
+server-test: setup
+	scripts/server_tests
 
 test-fast: setup
 	$(VENV)/bin/lint-imports

@@ -44,7 +44,7 @@ PUBLIC = frozenset({"/health", "/v1/health"})  # answered without the API key, a
 QUEUE = 32  # requests that may wait for a slot beyond the N generating (--queue)
 MAX_BODY = 64 << 20  # bytes of a request body
 MAX_HEAD = 64 << 10  # bytes of a request line and headers
-STOP_WAIT_S = 10.0  # llama-server's time to exit after SIGTERM, before SIGKILL
+STOP_WAIT_S = 3.0  # llama-server's time to exit after SIGTERM, before SIGKILL (it keeps nothing worth waiting for)
 POLL_S = 0.05  # how often a waiting request looks whether its client is still there
 
 # Flags flexoffload serve sets itself: given after `--` they would contradict the plan or the front.
@@ -100,7 +100,8 @@ def llama_server_args(model: str, settings: Settings, n_parallel: int, socket_pa
         args += ["--rpc", ",".join(settings.rpc)]
     if settings.tensor_split:
         args += ["-ts", ",".join(f"{x:g}" for x in settings.tensor_split)]
-    args += ["--alias", Path(model).stem]
+    if not {"-a", "--alias"} & {f.split("=", 1)[0] for f in extra}:  # the model's name in /v1/models, unless given
+        args += ["--alias", Path(model).stem]
     return args + list(extra)
 
 
@@ -165,15 +166,8 @@ class Child:
             pass
         return 0
 
-    def memory(self) -> tuple[int, int]:
-        """(now, peak) bytes: the cgroup's (page cache included) where there is one, else the process's RSS."""
-        if self.cgroup:
-            name = "memory.current" if self.cgroup.version == "v2" else "memory.usage_in_bytes"
-            try:
-                now = int((self.cgroup.path / name).read_text())
-            except (OSError, ValueError):
-                now = 0
-            return now, self.cgroup.peak()
+    def rss(self) -> tuple[int, int]:
+        """(now, peak) of the process's resident set (VmRSS, VmHWM): its own memory, without the page cache."""
         fields = {}
         with contextlib.suppress(OSError):
             for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
@@ -181,6 +175,17 @@ class Child:
                 if key in ("VmRSS", "VmHWM"):
                     fields[key] = int(value.split()[0]) * 1024
         return fields.get("VmRSS", 0), fields.get("VmHWM", 0)
+
+    def memory(self) -> tuple[int, int]:
+        """(now, peak) bytes: the cgroup's (page cache included) where there is one, else the process's RSS."""
+        if not self.cgroup:
+            return self.rss()
+        name = "memory.current" if self.cgroup.version == "v2" else "memory.usage_in_bytes"
+        try:
+            now = int((self.cgroup.path / name).read_text())
+        except (OSError, ValueError):
+            now = 0
+        return now, self.cgroup.peak()
 
     def signal(self, sig: int) -> None:
         with contextlib.suppress(ProcessLookupError):
@@ -409,7 +414,8 @@ class Front:
         generating = method == "POST" and path in GENERATING
         if not self.ready:
             raise _HttpError(503, "Loading model", "unavailable_error")
-        if self.listen.api_key and path not in PUBLIC and not self._authorized(h):
+        # a browser's CORS preflight carries no key (llama-server answers it without one)
+        if self.listen.api_key and path not in PUBLIC and method != "OPTIONS" and not self._authorized(h):
             raise _HttpError(401, "Invalid API Key", "authentication_error")
         if method == "POST" and not h.get("content-type", "").startswith("multipart/"):
             _check_body(body, generating)
@@ -422,7 +428,14 @@ class Front:
         work = asyncio.ensure_future(self._exchange(writer, method, target, version, headers, body, path, keep,
                                                     generating))
         gone = asyncio.ensure_future(self._client_gone(reader))
-        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        for task in (work, gone):  # an exception no one awaits any more (shutdown) is not an error to log
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())
+        try:
+            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:  # serve is stopping
+            work.cancel()
+            gone.cancel()
+            raise
         if not work.done():  # the client went away: closing the upstream connection cancels its sequence
             work.cancel()
             with contextlib.suppress(BaseException):
@@ -535,6 +548,7 @@ class Front:
             ("memory_bytes", "gauge", "Memory of llama-server now (its cgroup's, page cache included, if enforced)",
              now),
             ("memory_peak_bytes", "gauge", "Peak memory of llama-server (its cgroup's if enforced)", peak),
+            ("memory_rss_bytes", "gauge", "llama-server's resident set now (no page cache)", self.child.rss()[0]),
             ("memory_budget_bytes", "gauge", "The budget (--mem; 0: none)", self.budget or 0),
             ("memory_enforced", "gauge", "1 where a memory cgroup holds llama-server to the budget",
              int(self.child.cgroup is not None)),
@@ -544,6 +558,17 @@ class Front:
             out += [f"# HELP flexoffload_{name} {text}", f"# TYPE flexoffload_{name} {kind}",
                     f"flexoffload_{name} {value:g}" if isinstance(value, float) else f"flexoffload_{name} {value}"]
         return "\n".join(out) + "\n"
+
+
+FOLDER_PREFIX = "flexoffload-serve-"
+
+
+def _remove_stale_folders() -> None:
+    """The temporary folders of serves that were killed (SIGKILL: no cleanup ran), named by their pid."""
+    for folder in Path(tempfile.gettempdir()).glob(f"{FOLDER_PREFIX}*-*"):
+        pid = folder.name[len(FOLDER_PREFIX):].split("-")[0]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 async def _healthy(socket_path: str) -> bool:
@@ -581,7 +606,8 @@ async def _serve(model: str, settings: Settings, n_parallel: int, listen: Listen
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
         signals.append(sig)
-    tmp = tempfile.mkdtemp(prefix="flexoffload-serve-")
+    _remove_stale_folders()
+    tmp = tempfile.mkdtemp(prefix=f"{FOLDER_PREFIX}{os.getpid()}-")
     child = front = listener = None
     try:
         socket_path = str(Path(tmp) / "llama.sock")
