@@ -690,8 +690,8 @@ def serve(request: Request, n_parallel: int, listen, enforce: bool = False, extr
           on_ready=None):
     """`flexoffload serve`: llama-server for n_parallel sequences, prepared and planned as `run` is (the plan for that
     many sequences, the same settings, cgroup and page-cache handling), behind the front (runtime/server.py:
-    listen is its Listen), until SIGINT or SIGTERM. on_ready(port, load_s, prepared) once it answers; returns
-    server.Served."""
+    listen is its Listen), until SIGINT or SIGTERM. on_ready(port, load_s, prepared, enforced) once it answers;
+    returns server.Served."""
     from flexoffload.runtime import server
 
     p = prepare(replace(request, prompt=request.prompt or " "), n_seq_max=n_parallel)  # a server has no prompt
@@ -699,7 +699,7 @@ def serve(request: Request, n_parallel: int, listen, enforce: bool = False, extr
         if echo:
             echo(note)
     limit = p.limit if enforce and _enforceable(p, echo) else None
-    ready = (lambda port, load_s: on_ready(port, load_s, p)) if on_ready else None
+    ready = (lambda port, load_s: on_ready(port, load_s, p, limit is not None)) if on_ready else None
     return server.serve(p.request.model, engine_settings(p), n_parallel, listen, limit, p.limit, extra, echo, ready)
 
 

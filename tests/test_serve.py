@@ -280,7 +280,8 @@ def test_queue_full_is_503_and_a_client_that_goes_away_is_cancelled(slow_model):
         r = conn.getresponse()
         assert r.status == 200 and r.readline().startswith(b"data: ")
         status, answer = s.request("POST", "/v1/completions", json.dumps({"prompt": "a", "max_tokens": 2}).encode())
-        assert status == 503 and answer["error"]["type"] == "unavailable_error" and "queue" in answer["error"]["message"]
+        assert status == 503 and answer["error"]["type"] == "unavailable_error"
+        assert "queue" in answer["error"]["message"]
         assert s.metric("flexoffload_requests_rejected_total") == 1
         assert s.metric("llamacpp:requests_processing") == 1
 
@@ -343,7 +344,7 @@ def test_llama_server_flags_from_the_runs_settings():
     from flexoffload.runtime.engine import Settings
 
     settings = Settings(n_ctx=4096, n_batch=256, n_threads=3, strategy="stream", window=2, io_threads=5,
-                        streamed_patterns=(r"^blk\.\d+\.ffn_up\.weight$", r"^output\.weight$"))
+                        expert_slots=4, streamed_patterns=(r"^blk\.\d+\.ffn_up\.weight$", r"^output\.weight$"))
     args = server.llama_server_args("/m/model.gguf", settings, 4, "/tmp/x/llama.sock", ("--jinja",))
     pairs = {a: args[i + 1] for i, a in enumerate(args[:-1]) if a.startswith("-") and not args[i + 1].startswith("-")}
     assert pairs["-c"] == "4096" and pairs["-np"] == "4" and "-no-kvu" in args  # each sequence its own 1024 cells
@@ -352,7 +353,8 @@ def test_llama_server_flags_from_the_runs_settings():
         r"^blk\.\d+\.ffn_up\.weight$=STREAMED", r"^output\.weight$=STREAMED"]
     assert args[-1] == "--jinja" and "--no-repack" in args and pairs["--host"] == "/tmp/x/llama.sock"
     assert server.environment(settings) == {"LLAMA_STREAM_WINDOW": "2", "LLAMA_STREAM_IO_THREADS": "5",
-                                            "LLAMA_STREAM_CHUNK_BYTES": str(settings.chunk_bytes)}
+                                            "LLAMA_STREAM_CHUNK_BYTES": str(settings.chunk_bytes),
+                                            "LLAMA_STREAM_EXPERT_SLOTS": "4"}
     mmap = server.llama_server_args("/m/model.gguf", Settings(strategy="mmap"), 1, "/s.sock")
     assert "-ot" not in mmap and mmap[mmap.index("-lm") + 1] == "mmap" and server.environment(Settings()) == {}
 

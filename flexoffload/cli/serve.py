@@ -11,8 +11,8 @@ from flexoffload.gguf import models as catalog
 
 
 @click.command(context_settings={"show_default": True})
-@click.option("-m", "--model", "model_spec", metavar="MODEL", help=f"GGUF path or catalog name [default: {catalog.DEFAULT_MODEL}]",
-              show_default=False)
+@click.option("-m", "--model", "model_spec", metavar="MODEL", show_default=False,
+              help=f"GGUF path or catalog name [default: {catalog.DEFAULT_MODEL}]")
 @click.option("--mem", help="memory budget for the whole server: 400M, 1.5G, or 0.4x of the model's size (per device "
                             "with --rpc: cpu=SIZE,rpc0=SIZE,...)")
 @click.option("--enforce", is_flag=True, help="hold the server to --mem with a memory cgroup")
@@ -60,17 +60,17 @@ def serve(model_spec, mem, enforce, n_parallel, ctx_size, batch_size, threads, h
     hosts = tuple(h.strip() for h in host.split(",") if h.strip())
     listen = server.Listen(hosts=hosts, port=port, api_key=api_key or None, queue=queue)
 
-    def ready(bound_port: int, load_s: float, prepared) -> None:
+    def ready(bound_port: int, load_s: float, prepared, enforced: bool) -> None:
         plan = prepared.plan
         how = prepared.request.strategy
         if plan is not None:
             how += f" (resident {format_size(plan.memory.resident)}, predicted {plan.predicted_tok_s:.2f} tok/s a pass)"
         budget = f", budget {format_size(prepared.limit)}" if prepared.limit else ""
-        held = " enforced" if enforce and prepared.limit else ""
+        held = " enforced" if enforced else ""
         url_host = f"[{hosts[0]}]" if ":" in hosts[0] else hosts[0]
-        click.echo(f"flexoffload: serving {os.path.basename(prepared.request.model)} on http://{url_host}:{bound_port}/v1"
-                   f" ({n_parallel} sequences of {ctx_size // n_parallel} tokens, {how}{budget}{held}; loaded in "
-                   f"{load_s:.1f} s)", err=True)
+        name = os.path.basename(prepared.request.model)
+        click.echo(f"flexoffload: serving {name} on http://{url_host}:{bound_port}/v1 ({n_parallel} sequences of "
+                   f"{ctx_size // n_parallel} tokens, {how}{budget}{held}; loaded in {load_s:.1f} s)", err=True)
 
     served = api.serve(request, n_parallel, listen, enforce, tuple(llama_args),
                        echo=lambda msg: click.echo(msg, err=True), on_ready=ready)
