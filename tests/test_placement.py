@@ -103,7 +103,7 @@ def test_each_policy_stays_within_its_device_and_ours_is_within_its_tie_of_every
     from flexoffload.plan.placers import split
 
     # the host keeps all it has (no streaming): the placement alone decides
-    monkeypatch.setattr(ours, "evaluate", lambda p, pl: (SimpleNamespace(streamed=()), _cost(p, pl)))
+    monkeypatch.setattr(ours, "evaluate", lambda p, pl: (SimpleNamespace(streamed=(), experts=None), _cost(p, pl)))
     chosen = {}
     for name in ("layers", "split", "oato", "auto"):
         place = {"layers": layers.place, "split": split.place, "oato": oato.place, "auto": ours.place}[name]

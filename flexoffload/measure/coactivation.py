@@ -98,11 +98,7 @@ def collect(model_path: str, text: str, n_ctx: int = 512, max_tokens: int = 0, n
     from flexoffload.runtime import engine
 
     lib = native.llama_cpp()
-    base = ctypes.CDLL(str(native.build_dir() / "libggml-base.so"))
-    base.ggml_get_name.argtypes, base.ggml_get_name.restype = [ctypes.c_void_p], ctypes.c_char_p
-    base.ggml_nbytes.argtypes, base.ggml_nbytes.restype = [ctypes.c_void_p], ctypes.c_size_t
-    base.ggml_backend_tensor_get.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t]
-    base.ggml_backend_tensor_get.restype = None
+    base = native.graph_tensors()
     settings = engine.Settings(n_ctx=n_ctx, n_batch=n_ctx, n_outputs=n_ctx, n_threads=n_threads or os.cpu_count() or 1,
                                strategy="mmap", temp=0)
     recorder = None

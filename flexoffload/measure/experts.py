@@ -80,10 +80,7 @@ def measure(model: Model, text: str | list[int], n_threads: int, max_tokens: int
     n_ctx = min(n_ctx, model.n_ctx_train or n_ctx)
     n_ubatch = min(n_ubatch, n_ctx)
     lib = native.llama_cpp()
-    base = ctypes.CDLL(str(native.build_dir() / "libggml-base.so"))
-    base.ggml_get_name.argtypes, base.ggml_get_name.restype = [ctypes.c_void_p], ctypes.c_char_p
-    base.ggml_get_data.argtypes, base.ggml_get_data.restype = [ctypes.c_void_p], ctypes.c_void_p
-    recorder = _Recorder(base)
+    recorder = _Recorder(native.graph_tensors())
     callback = lib.ggml_backend_sched_eval_callback(recorder)
     settings = engine.Settings(n_ctx=n_ctx, n_batch=n_ubatch, n_ubatch=n_ubatch, n_threads=n_threads,
                                strategy="mmap", temp=0, n_outputs=n_ubatch)

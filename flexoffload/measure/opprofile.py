@@ -79,10 +79,7 @@ def measure(model_path: str, n_threads: int, n_batch: int = 64, n_tokens: int = 
     from flexoffload.runtime import engine
 
     lib = native.llama_cpp()
-    base = ctypes.CDLL(str(native.build_dir() / "libggml-base.so"))
-    base.ggml_op_name.argtypes, base.ggml_op_name.restype = [ctypes.c_int], ctypes.c_char_p
-    base.ggml_get_name.argtypes, base.ggml_get_name.restype = [ctypes.c_void_p], ctypes.c_char_p
-    timer = _Timer(base)
+    timer = _Timer(native.graph_tensors())
     callback = lib.ggml_backend_sched_eval_callback(timer)
     settings = engine.Settings(n_ctx=max(256, n_batch + n_tokens + 16), n_batch=n_batch, n_threads=n_threads,
                                strategy="mmap", temp=0)

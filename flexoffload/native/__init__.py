@@ -69,17 +69,39 @@ def llama_cpp():
     return _llama_cpp
 
 
+def ggml(name: str):
+    """One of the build's ggml libraries ("ggml-base", "ggml-cpu", ...), as a ctypes library: the copy libllama
+    loaded (loaded first), opened once."""
+    import ctypes
+
+    if name not in _ggml_libs:
+        llama_cpp()
+        _ggml_libs[name] = ctypes.CDLL(str(build_dir() / f"lib{name}.so"))
+    return _ggml_libs[name]
+
+
+_ggml_libs: dict = {}
+
+
+def graph_tensors():
+    """libggml-base with what an eval callback reads of a graph's tensors bound: name, data, size, a copy out, and
+    operator names."""
+    import ctypes
+
+    base, p = ggml("ggml-base"), ctypes.c_void_p
+    base.ggml_get_name.argtypes, base.ggml_get_name.restype = [p], ctypes.c_char_p
+    base.ggml_get_data.argtypes, base.ggml_get_data.restype = [p], p
+    base.ggml_nbytes.argtypes, base.ggml_nbytes.restype = [p], ctypes.c_size_t
+    base.ggml_backend_tensor_get.argtypes = [p, p, ctypes.c_size_t, ctypes.c_size_t]
+    base.ggml_backend_tensor_get.restype = None
+    base.ggml_op_name.argtypes, base.ggml_op_name.restype = [ctypes.c_int], ctypes.c_char_p
+    return base
+
+
 def set_tiled_matmul(mode: int) -> None:
     """ggml_cpu_set_tiled_matmul (patch 0009): -1 as the environment says, 0 off, 1 on. Process wide."""
     import ctypes
 
-    global _ggml_cpu
-    if _ggml_cpu is None:
-        llama_cpp()  # loads libggml-cpu.so with libllama; this opens the same copy
-        _ggml_cpu = ctypes.CDLL(str(build_dir() / "libggml-cpu.so"))
-        _ggml_cpu.ggml_cpu_set_tiled_matmul.argtypes = [ctypes.c_int]
-        _ggml_cpu.ggml_cpu_set_tiled_matmul.restype = None
-    _ggml_cpu.ggml_cpu_set_tiled_matmul(mode)
-
-
-_ggml_cpu = None
+    cpu = ggml("ggml-cpu")
+    cpu.ggml_cpu_set_tiled_matmul.argtypes, cpu.ggml_cpu_set_tiled_matmul.restype = [ctypes.c_int], None
+    cpu.ggml_cpu_set_tiled_matmul(mode)

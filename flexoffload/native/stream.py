@@ -106,10 +106,9 @@ def _cpu_lib():
     """The CPU backend's library (ggml-cpu-streamed-experts.h is a ggml C API: libllama does not re-export it)."""
     global _cpu
     if _cpu is None:
-        from flexoffload.native import build_dir
+        from flexoffload.native import ggml
 
-        api()  # libllama loaded: its libggml-cpu is the one in the build folder
-        lib = ctypes.CDLL(str(build_dir() / "libggml-cpu.so"))
+        lib = ggml("ggml-cpu")
         try:
             lib.ggml_backend_cpu_streamed_experts_set_config.argtypes = [ctypes.POINTER(ExpertsConfig)]
         except AttributeError:

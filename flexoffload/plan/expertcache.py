@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 from typing import Callable
 
 from flexoffload.gguf.model import Model
+from flexoffload.plan import experts
 from flexoffload.plan.costmodel import Profile
 
 HitRate = Callable[[int], float]  # slots per layer -> share of a token's routed experts found in memory
@@ -31,24 +32,14 @@ def expert_layers(model: Model) -> list[int]:
     return sorted({t.layer for t in model.tensors if t.kind == "expert"})
 
 
-def unit_bytes(model: Model, layer: int) -> int:
-    """One expert of a layer: its slice of each of the layer's expert tensors (gate, up, down)."""
-    return sum(t.n_bytes // model.n_expert for t in model.layer_tensors(layer) if t.kind == "expert")
-
-
-def n_tensors(model: Model, layer: int) -> int:
-    return sum(1 for t in model.layer_tensors(layer) if t.kind == "expert")
-
-
 def memory(model: Model, slots: int, ubatch: int | None = None) -> int:
     """What the experts take at most: every layer's slots, and the layer computing holding the experts its batch
     uses beyond them (a decoded token: its routed experts; a prompt ubatch of `ubatch` tokens: up to all of them,
     None: all), given back after the layer."""
     k, n = model.n_expert_used, model.n_expert
     used = n if ubatch is None else min(n, ubatch * k)
-    layers = expert_layers(model)
-    cache = sum(slots * unit_bytes(model, il) for il in layers)
-    return cache + max((max(used - slots, 0) * unit_bytes(model, il) for il in layers), default=0)
+    units = [experts.unit_bytes(model)[il] for il in expert_layers(model)]
+    return sum(slots * u for u in units) + max((max(used - slots, 0) * u for u in units), default=0)
 
 
 def uniform(model: Model) -> HitRate:
@@ -70,11 +61,12 @@ def cost(model: Model, slots: int, profile: Profile, hit_rate: HitRate, io_threa
     threads, none overlapped with compute) and the routed experts' compute."""
     h = hit_rate(slots)
     k = model.n_expert_used
+    units, unit_reads = experts.unit_bytes(model), experts.unit_reads(model)
     seconds, n_bytes = 0.0, 0
     for il in expert_layers(model):
-        unit = unit_bytes(model, il)
+        unit = units[il]
         misses = k * (1.0 - h)
-        reads = misses * n_tensors(model, il)
+        reads = misses * unit_reads[il]
         n_bytes += int(misses * unit)
         seconds += misses * unit / profile.disk_bw + math.ceil(reads / io_threads) * profile.io_latency
         for t in model.layer_tensors(il):

@@ -108,8 +108,7 @@ def streamed_bytes(plan: Plan, model) -> int:
     from flexoffload.plan.costmodel import looked_up_only, row_bytes
 
     streamed = set(plan.streamed)
-    routed = getattr(plan, "experts", None)  # the routed experts the cache is predicted to miss
-    experts = routed["bytes_per_token"] if routed else 0
+    experts = plan.experts["bytes_per_token"] if plan.experts else 0  # the routed experts the cache lacks
     return experts + sum(row_bytes(t) if looked_up_only(model, t) else t.n_bytes for t in model.tensors
                          if t.name in streamed and t.kind != "expert")
 
