@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import tempfile
 from dataclasses import asdict, dataclass, field, replace
@@ -77,6 +78,7 @@ class Request:
     min_tok_s: float | None = None  # with precision: the least harm reaching this predicted tok/s
     original: str | None = None  # with precision: the model's F16/BF16 weights, quantized from (not requantizing)
     tuned: bool = True  # stream by a plan --tune made for this model, budget and machine, where there is one
+    chat: bool = False  # a conversation read from stdin (run -cnv; the prompt is its system message, if any)
     verbose: bool = False
 
 
@@ -196,6 +198,8 @@ def _check(r: Request) -> None:
         raise FlexoffloadError(f"a {r.cache_type_v} V cache needs flash attention: -fa on or auto")
     if (r.n_ubatch or r.flash_attn != "auto" or _kv_quantized(r)) and r.draft:
         raise FlexoffloadError("-ub, -fa, -ctk and -ctv are for a run without -md, for now")
+    if r.chat and r.draft:
+        raise FlexoffloadError("-cnv and -md: a conversation runs the model alone, for now")
     if r.spec not in ("tree", "chain"):
         raise FlexoffloadError(f"unknown speculation shape {r.spec!r}: tree or chain")
     if r.rpc:
@@ -302,8 +306,9 @@ def plan_for_run(model, r: Request, limit: int | None, n_outputs: int = 1, n_seq
 
 
 def expert_hit_rate(model):
-    """A mixture of experts' hit rate by slots from its measured routing (`profile --experts`), replayed through the
-    runtime's LRU cache; None (the planner assumes uniform routing, the worst case) where none was measured."""
+    """A mixture of experts' misses by slots (plan.experts.Misses) from its measured routing (`profile --experts`),
+    replayed through the runtime's LRU cache; None where none was measured (the planner then assumes uniform
+    routing, which random weights do not show: they send nearly every token to the same few experts)."""
     if not model.n_expert:
         return None
     from flexoffload.measure import experts as tracing
@@ -312,8 +317,14 @@ def expert_hit_rate(model):
     trace = tracing.cached(model)
     if trace is None:
         return None
-    rates: dict[int, float] = {}
-    return lambda slots: rates.setdefault(slots, cache.simulate(trace, slots, "lru").hit_rate)
+    misses: dict[int, cache.Misses] = {}
+
+    def replayed(slots: int) -> cache.Misses:
+        if slots not in misses:
+            misses[slots] = cache.Misses.replayed(cache.simulate(trace, slots, "lru"))
+        return misses[slots]
+
+    return replayed
 
 
 LONG_PROMPT = 256  # tokens: a prompt longer than this has its prefill's ubatch chosen (prefill.py)
@@ -583,14 +594,21 @@ def engine_settings(p: Prepared):
         io_threads=r.io_threads or (plan.io_threads if plan else IO_THREADS), verbose=r.verbose)
 
 
-def run_prepared(p: Prepared, on_text=None) -> dict:
-    """Load and generate in this process; the result as a dict (engine.Result's fields and the run's context)."""
+def run_prepared(p: Prepared, on_text=None, read_line=None, note=None) -> dict:
+    """Load and generate in this process; the result as a dict (engine.Result's fields and the run's context).
+    A conversation (request.chat) reads its messages with read_line() and says what is not a reply with note(line)."""
     from flexoffload.plan import plan as plans
     from flexoffload.runtime import engine
 
     r, model, plan = p.request, p.model, p.plan
     settings = engine_settings(p)
-    if p.draft_model is not None:
+    if r.chat:
+        from flexoffload.runtime import chat
+
+        with engine.Engine(r.model, settings) as eng:
+            result = chat.converse(eng, r.prompt.strip() or None, r.n_predict, read_line or _read_message, on_text,
+                                   note or (lambda line: print(line, file=sys.stderr)))
+    elif p.draft_model is not None:
         from flexoffload.runtime import spectree, speculate
 
         spec = spectree.Options(tree=r.spec == "tree", pacer=r.pacer, adaptive=r.adaptive,
@@ -625,6 +643,16 @@ def run_prepared(p: Prepared, on_text=None) -> dict:
     return result
 
 
+def _read_message() -> str:
+    """A conversation's next message from stdin (a prompt mark where a person types it)."""
+    if sys.stdin.isatty():
+        return input("> ")
+    line = sys.stdin.readline()
+    if not line:
+        raise EOFError
+    return line
+
+
 def run_in_cgroup(p: Prepared, limit: int | None, stream_text: bool = False, timeout: float | None = None) -> dict:
     """Run the prepared request in a fresh process in its own memory cgroup of limit bytes (the budget, or more to
     measure with room to spare; None: no cgroup); its result with the cgroup's peak, faults and the peak of
@@ -635,7 +663,13 @@ def run_in_cgroup(p: Prepared, limit: int | None, stream_text: bool = False, tim
         request_file.write_text(json.dumps(asdict(p.request)))
         cmd = [sys.executable, "-m", "flexoffload.api", str(request_file), str(result_file)]
         cmd += ["--stream-text"] if stream_text else []
-        run = budgets.run_limited(cmd, limit, timeout, capture_stdout=not stream_text)
+        # a conversation's child reads this terminal; a Ctrl-C is its (it stops a reply), not this process's
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if p.request.chat else None
+        try:
+            run = budgets.run_limited(cmd, limit, timeout, capture_stdout=not stream_text, interactive=p.request.chat)
+        finally:
+            if previous is not None:
+                signal.signal(signal.SIGINT, previous)
         if run.returncode != 0 or not result_file.exists():
             if run.oom_killed:
                 raise FlexoffloadError(
@@ -749,6 +783,8 @@ def main() -> None:
 
         native.spin_briefly()
     on_text = (lambda s: (sys.stdout.write(s), sys.stdout.flush())) if "--stream-text" in flags else None
+    if request.chat:  # the parent waits with Ctrl-C ignored, which the child inherits: here it stops a reply
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         result = run_prepared(prepare(request), on_text)
     except FlexoffloadError as e:

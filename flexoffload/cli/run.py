@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import os
 import sys
+from dataclasses import replace
 
 import click
 
 from flexoffload.cli.common import PLACEMENTS, _errors_as_one_line, _precision_options, _read_prompt, _report
 from flexoffload.gguf import models as catalog
+from flexoffload.runtime.chat import HELP as chat_help
 from flexoffload.runtime.engine import KV_TYPES
 
 
@@ -38,7 +40,9 @@ def request_from_args(args: list[str]):
     params = dict(ctx.params)
     params.pop("enforce")
     params.pop("as_json")
-    return request_from_flags(**params)
+    params.pop("system_prompt")
+    chat = params.pop("conversation")
+    return replace(request_from_flags(**params), chat=chat)
 
 
 @click.command()
@@ -95,6 +99,10 @@ def request_from_args(args: list[str]):
 @click.option("--placement", type=click.Choice(PLACEMENTS), default="auto", show_default=True,
               help="with --rpc and --mem: how weights are placed across the devices")
 @_precision_options
+@click.option("-cnv", "--conversation", is_flag=True,
+              help="chat at the terminal in the model's chat template, the history kept (-p, -f or -sys: the "
+                   "system message; -n: each reply's limit, to the end of its turn by default)")
+@click.option("-sys", "--system-prompt", "system_prompt", metavar="TEXT", help="with -cnv: the system message")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object instead of text and timings")
 @click.option("-v", "--verbose", is_flag=True, help="show llama.cpp's log")
 @_errors_as_one_line
@@ -102,16 +110,29 @@ def run(model_spec, prompt, prompt_file, n_predict, ctx_size, batch_size, n_ubat
         cache_type_v, threads, temp, seed,
         mem, enforce, strategy, policy, plan_dir, window, io_threads, draft_spec, draft_max, draft_p_split, spec_mode,
         no_pacer, no_adaptive, no_adaptive_split, pipeline, draft_always, tuned, rpc, n_gpu_layers, placement,
-        precision, max_kld, min_tok_s, original, expert_slots, as_json, verbose):
-    """Generate text from a prompt (with -md: speculation by a resident draft model)."""
-    from flexoffload import api
+        precision, max_kld, min_tok_s, original, expert_slots, conversation, system_prompt, as_json, verbose):
+    """Generate text from a prompt (with -md: speculation by a resident draft model; -cnv: a conversation)."""
+    from flexoffload import FlexoffloadError, api
 
+    if system_prompt is not None and not conversation:
+        raise FlexoffloadError("-sys is the system message of a conversation: add -cnv")
+    if conversation:  # llama-cli's: -p is the system message, and a reply runs to the end of its turn
+        if system_prompt is not None and (prompt is not None or prompt_file is not None):
+            raise FlexoffloadError("give the system message with -sys, -p or -f, not two of them")
+        if system_prompt is None and (prompt is not None or prompt_file is not None):
+            system_prompt = _read_prompt(prompt, prompt_file)
+        prompt, prompt_file = (system_prompt or " "), None
+        if click.get_current_context().get_parameter_source("n_predict").name == "DEFAULT":
+            n_predict = -1
     request = request_from_flags(model_spec, prompt, prompt_file, n_predict, ctx_size, batch_size, threads, temp,
                                  seed, mem, strategy, policy, plan_dir, window, io_threads, draft_spec, draft_max,
                                  draft_p_split, spec_mode, no_pacer, no_adaptive, no_adaptive_split, pipeline,
                                  draft_always, tuned, verbose, rpc, n_gpu_layers, placement, n_ubatch, flash_attn,
                                  cache_type_k, cache_type_v, precision, max_kld, min_tok_s, original,
                                  expert_slots=expert_slots)
+    request = replace(request, chat=conversation)
+    if conversation and not as_json and sys.stdin.isatty():
+        click.echo(f"flexoffload: a conversation ({chat_help})", err=True)
     on_text = None if as_json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
     result = api.generate(request, on_text=on_text, enforce=enforce, echo=lambda msg: click.echo(msg, err=True))
     _report(result, as_json)

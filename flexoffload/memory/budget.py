@@ -273,18 +273,18 @@ class Limited:
 
 
 def run_limited(cmd: list[str], limit: int | None, timeout: float | None = None,
-                capture_stdout: bool = True) -> Limited:
+                capture_stdout: bool = True, interactive: bool = False) -> Limited:
     """Run cmd to its end in its own memory cgroup of limit bytes (None: no cgroup), within timeout seconds.
 
     The one way flexoffload runs a child under a budget. Its stderr is collected; its stdout too, unless
-    capture_stdout is False (then it is this process's, for text as it comes). A run past the timeout is killed and
-    is an error; an exit status is left to the caller.
+    capture_stdout is False (then it is this process's, for text as it comes). interactive: it reads this process's
+    stdin (a conversation). A run past the timeout is killed and is an error; an exit status is left to the caller.
     """
     t0 = time.perf_counter()
     cgroup = MemoryCgroup(limit) if limit is not None else None
     try:
         start = cgroup.popen if cgroup else subprocess.Popen
-        proc = start(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE if capture_stdout else None,
+        proc = start(cmd, stdin=None if interactive else subprocess.DEVNULL, stdout=subprocess.PIPE if capture_stdout else None,
                      stderr=subprocess.PIPE)
         unreclaimable, out, err = 0, b"", b""
         while True:  # the peak of what the run cannot give back, sampled: the kernel keeps no peak of it

@@ -313,6 +313,7 @@ class Engine:
         self.n_batch = lib.llama_n_batch(self.ctx)  # and caps the batch by it
         self.load_s = time.perf_counter() - t0
         self.made_resident = 0  # streamed tensors made resident after the prompt (_after_prefill)
+        self.decoding = False  # decode's memory taken (once: a conversation's later prompts run in it too)
 
     def close(self) -> None:
         if getattr(self, "ctx", None):
@@ -399,14 +400,22 @@ class Engine:
 
     def generate(self, prompt: str, n_predict: int, on_text=None) -> Result:
         """Greedy or sampled generation of up to n_predict tokens (-1: until end of text or context)."""
+        return self.complete(self.start(prompt), n_predict, on_text)
+
+    def forget(self, n_keep: int) -> None:
+        """Drop the KV cache's cells from position n_keep on (a conversation whose next text differs there)."""
+        self.lib.llama_memory_seq_rm(self.lib.llama_get_memory(self.ctx), -1, n_keep, -1)
+
+    def complete(self, prompt_tokens: list[int], n_predict: int, on_text=None, cached: int = 0) -> Result:
+        """generate's loop from tokens: the first `cached` of them are in the KV cache already (a conversation's
+        earlier turns, runtime/chat.py), the rest are decoded, then up to n_predict tokens generated."""
         lib = self.lib
-        prompt_tokens = self.start(prompt)
         sampler = self._sampler()
         out, stop = TextOut(self, on_text), "limit"
         tokens = out.tokens
         try:
             t_start = time.perf_counter()
-            for i in range(0, len(prompt_tokens), self.n_batch):
+            for i in range(cached, len(prompt_tokens), self.n_batch):
                 self._decode(prompt_tokens[i:i + self.n_batch])
             n_past, n_decoded = len(prompt_tokens), 0
             t_first, steps = None, []  # each decode pass's time
@@ -418,8 +427,9 @@ class Engine:
                     stop = "eog"
                     break
                 out.emit(token)
-                if len(tokens) == 1:  # the first token is out: decode's memory from here
+                if len(tokens) == 1 and not self.decoding:  # the first token is out: decode's memory from here
                     self._after_prefill()
+                    self.decoding = True
                 if n_past >= self.n_ctx:
                     stop = "context"
                     break
@@ -441,5 +451,5 @@ class Engine:
         if self.settings.strategy != "mmap":
             timings.update(resident_locked=not self.log.mlock_failed, made_resident=self.made_resident,
                            **stream_timings(t_end - t_start, self.model))
-        return Result.of(prompt_tokens, out, (t_start, t_first or t_end, t_end), n_decoded, self.load_s,
+        return Result.of(prompt_tokens[cached:], out, (t_start, t_first or t_end, t_end), n_decoded, self.load_s,
                          self.settings.strategy, stop, timings)
