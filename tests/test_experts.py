@@ -131,9 +131,12 @@ def test_the_prediction_adds_the_missed_experts_reads_to_the_in_memory_token(moe
     profile = Profile(disk_bw=1e8, io_latency=1e-4, default_sec_per_byte=1e-10)
     trace = uniform(np.random.default_rng(0), 200, s.n_layer, s.n_expert, s.n_expert_used)
     none = experts.predict(m, trace, 0, "lru", profile, io_threads=4)
-    reads = s.n_layer * s.n_expert_used  # every routed expert, 3 requests each over 4 threads
-    expected = compute_seconds(m, profile) + reads * unit / 1e8 + reads * 3 / 4 * 1e-4
+    reads = s.n_layer * s.n_expert_used  # every routed expert: a layer's burst of 3 requests each over 4 threads
+    rounds = s.n_layer * -(-3 * s.n_expert_used // 4)
+    routed = reads * unit * 1e-10  # the routed experts' compute, beside the dense weights'
+    expected = compute_seconds(m, profile) + routed + reads * unit / 1e8 + rounds * 1e-4
     assert none.units_per_token == reads and none.bytes_per_token == reads * unit
+    assert none.compute_s == pytest.approx(compute_seconds(m, profile) + routed)
     assert none.tok_s == pytest.approx(1 / expected)
     half = experts.predict(m, trace, 4, "belady", profile, io_threads=4)
     assert half.cache_bytes == 4 * s.n_layer * unit

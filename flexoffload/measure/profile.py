@@ -5,6 +5,8 @@
   what prefetch threads will see.
 - Compute: decode tok/s with every weight in memory (the file read into the page cache first, mmap), the
   ceiling that streaming can approach.
+- A mixture of experts' reads: bursts of expert slices at random places of the file, as a layer's misses go out
+  once its router has chosen (expert_reads): far smaller reads than a pass's, and none in flight before them.
 
 Profiles are kept in the cache per model file (name, size, mtime), so planning does not measure again.
 """
@@ -16,6 +18,7 @@ import json
 import logging
 import mmap
 import os
+import random
 import statistics
 import time
 from dataclasses import dataclass, replace
@@ -124,6 +127,120 @@ def disk_speed(model: Model, max_bytes: int = 768 << 20, io_threads: int = IO_TH
     return DiskSpeed(bandwidth=statistics.median(rates), latency=latency, passes=tuple(rates), direct=direct)
 
 
+@dataclass
+class ExpertReads:
+    """Bursts of expert slices, fitted: a burst of b bytes takes latency + b / bandwidth seconds."""
+
+    bandwidth: float  # bytes/s
+    latency: float  # seconds
+    bursts: tuple[tuple[int, float], ...] = ()  # (bytes, seconds) of each burst timed
+    direct: bool = True
+
+
+def unit_requests(model: Model, layer: int, expert: int) -> list[tuple[int, int]]:
+    """The (offset, length) reads one expert unit's miss makes, O_DIRECT-aligned: its slice of each of the layer's
+    *_exps tensors (the runtime reads a slice with the pages around it: same offset modulo 4096 as in the file)."""
+    out = []
+    for t in model.layer_tensors(layer):
+        if t.kind == "expert":
+            size = t.n_bytes // model.n_expert
+            start = t.offset + expert * size
+            a, b = start // ALIGN * ALIGN, -(-(start + size) // ALIGN) * ALIGN
+            out.append((a, b - a))
+    return out
+
+
+def burst_sizes(model: Model) -> list[int]:
+    """Units a timed burst misses: one, a token's routed experts (all missed), and two between."""
+    k = model.n_expert_used
+    return sorted({1, max(1, k // 3), max(1, 2 * k // 3), k})
+
+
+def expert_reads(model: Model, io_threads: int = IO_THREADS, seconds: float = 3.0, max_bursts: int = 40,
+                 seed: int = 0) -> ExpertReads:
+    """O_DIRECT reads of expert slices as the runtime issues a layer's misses (patch 0018): once the router has
+    chosen, m units of one layer at once, every *_exps tensor's slices of them (the op's own tensor first), over
+    io_threads (the runtime's LLAMA_STREAM_IO_THREADS), nothing else in flight; timed until the last is in. Random
+    layers and experts, bursts of burst_sizes' units in turn for about `seconds`, each burst's bytes and time kept,
+    a line fitted through them (fit_bursts).
+
+    The reads go where the runtime's do: into a tensor's reserved range, plain anonymous memory (4 KiB pages, no
+    huge pages), whose pages an evicted expert gives back (MADV_DONTNEED), so a miss faults fresh pages in; here each
+    burst's pages are given back after it, untimed. Measured on the synthetic llama-moe-1b: docs/moe.md."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    layers = sorted({t.layer for t in model.tensors if t.kind == "expert" and t.layer is not None})
+    if not model.n_expert or not layers:
+        raise FlexoffloadError(f"{model.path.name} is not a mixture of experts")
+    rng = random.Random(seed)
+    sizes = burst_sizes(model)
+    direct = True
+    try:
+        fd = os.open(model.path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
+    except OSError:
+        fd, direct = os.open(model.path, os.O_RDONLY), False
+    try:
+        largest = max(n for il in layers for _, n in unit_requests(model, il, 0)) + ALIGN
+        most = -(-max(len(unit_requests(model, il, 0)) for il in layers) * sizes[-1] // io_threads)  # a thread's
+        buffers = [mmap.mmap(-1, largest * most, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+                   for _ in range(io_threads)]
+
+        def burst(units: int) -> tuple[int, float]:
+            il = rng.choice(layers)
+            chosen = rng.sample(range(model.n_expert), units)
+            per_unit = [unit_requests(model, il, e) for e in chosen]
+            requests = [u[j] for j in range(len(per_unit[0])) for u in per_unit]  # by tensor, as queued
+
+            def reader(k: int) -> int:
+                # each read into pages of its own, as each slice has its place in its tensor's range
+                n_bytes, at = 0, 0
+                view = memoryview(buffers[k])
+                for off, n in requests[k::io_threads]:
+                    n_bytes += os.preadv(fd, [view[at:at + n]], off)
+                    at += n
+                return n_bytes
+
+            t0 = time.perf_counter()
+            n_bytes = sum(pool.map(reader, range(io_threads)))
+            seconds = time.perf_counter() - t0
+            for b in buffers:  # given back, as an evicted expert's pages are
+                b.madvise(mmap.MADV_DONTNEED)
+            return n_bytes, seconds
+
+        bursts = []
+        with ThreadPoolExecutor(io_threads) as pool:  # preadv releases the GIL
+            burst(sizes[-1])  # the threads started and the buffers touched, untimed
+            deadline = time.perf_counter() + seconds
+            for _ in range(max_bursts):
+                for units in sizes:
+                    bursts.append(burst(units))
+                if time.perf_counter() > deadline:
+                    break
+    except OSError as e:
+        raise FlexoffloadError(f"cannot read {model.path} for profiling: {e.strerror}") from None
+    finally:
+        os.close(fd)
+    bandwidth, latency = fit_bursts(bursts)
+    return ExpertReads(bandwidth, latency, tuple(bursts), direct)
+
+
+def fit_bursts(bursts: list[tuple[int, float]]) -> tuple[float, float]:
+    """(bandwidth, latency) of the least-squares line seconds = latency + bytes / bandwidth; where the bursts do
+    not span sizes enough for a slope (or it comes out at zero or below, or the latency below zero), the mean
+    bytes/s with no latency."""
+    n = len(bursts)
+    if not n or sum(s for _, s in bursts) <= 0:
+        raise FlexoffloadError("no expert read was timed")
+    mean_b = sum(b for b, _ in bursts) / n
+    mean_s = sum(s for _, s in bursts) / n
+    var = sum((b - mean_b) ** 2 for b, _ in bursts)
+    slope = sum((b - mean_b) * (s - mean_s) for b, s in bursts) / var if var > 0 else 0.0
+    latency = mean_s - slope * mean_b
+    if slope <= 0 or latency < 0:
+        return mean_b / mean_s, 0.0
+    return 1.0 / slope, latency
+
+
 def warm_page_cache(path: str | os.PathLike) -> None:
     with open(path, "rb", buffering=0) as f:
         while f.read(16 << 20):
@@ -143,8 +260,10 @@ def compute_speed(path: str | os.PathLike, n_threads: int, n_tokens: int = 24) -
 
 def _cache_path(model: Model, n_threads: int) -> Path:
     # v2: the disk read as the runtime reads it (pass_requests), not one cold sequential read; v3: into huge pages;
-    # v4: a tied output's matmul counted in the calibration; v5: a MoE's routed experts counted
-    return cache_dir() / "profiles" / f"{file_key(model.path)}-t{n_threads}-v5.json"
+    # v4: a tied output's matmul counted in the calibration; v5: a MoE's routed experts counted; v6: a MoE's expert
+    # reads timed in bursts (a dense model's profile has no new field: it stays v5)
+    version = 6 if model.n_expert else 5
+    return cache_dir() / "profiles" / f"{file_key(model.path)}-t{n_threads}-v{version}.json"
 
 
 # Reads that show a sustained bandwidth: at least this many bytes, all with O_DIRECT (a small model's few reads say
@@ -246,7 +365,10 @@ def as_measured(model: Model, n_threads: int, remeasure: bool = False) -> Profil
     disk = disk_speed(model)
     if disk.direct and sum(n for _, n in pass_requests(model, 768 << 20)) >= SUSTAINED_BYTES:
         record_disk_bw(model.path, max(disk.passes), "profile")
+    bursts = expert_reads(model) if model.n_expert else None
     tok_s = compute_speed(model.path, n_threads)
     profile = Profile.calibrated(model, tok_s=tok_s, disk_bw=disk.bandwidth, io_latency=disk.latency)
+    if bursts is not None:
+        profile = replace(profile, expert_read_bw=bursts.bandwidth, expert_read_latency=bursts.latency)
     write_atomic(cached, json.dumps(profile.to_dict(), indent=1))
     return profile

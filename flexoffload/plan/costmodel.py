@@ -135,6 +135,10 @@ class Profile:
     layer_overhead: float = 50e-6  # seconds per layer per token
     token_overhead: float = 2e-3  # seconds per token
     peak_disk_bw: float = 0.0  # the best bandwidth this device has shown, for the roofline (0: unknown)
+    # a mixture of experts' reads once a router has chosen (measure/profile.py, expert_reads): a burst of expert
+    # slices takes expert_read_latency plus its bytes at expert_read_bw (0: not measured)
+    expert_read_bw: float = 0.0
+    expert_read_latency: float = 0.0
 
     def seconds_per_byte(self, ggml_type: str) -> float:
         return self.sec_per_byte.get(ggml_type, self.default_sec_per_byte)
@@ -153,6 +157,15 @@ class Profile:
         if n_requests == 0:
             return 0.0
         return n_bytes / self.disk_bw + math.ceil(n_requests / io_threads) * self.io_latency
+
+    def expert_read_seconds(self, n_bytes: int, n_requests: int, io_threads: int) -> float:
+        """One layer's expert reads after its router: the measured burst of slice reads where known, else as a
+        stage's reads (large ones, which this disk serves two to three times faster than expert slices)."""
+        if n_requests == 0:
+            return 0.0
+        if self.expert_read_bw > 0:
+            return self.expert_read_latency + n_bytes / self.expert_read_bw
+        return self.read_seconds(n_bytes, n_requests, io_threads)
 
     @classmethod
     def calibrated(cls, model: Model, tok_s: float, disk_bw: float, io_latency: float = 100e-6,

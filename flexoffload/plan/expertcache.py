@@ -7,20 +7,20 @@ slot count, and the two share the budget: the cache takes `slots` experts of eve
 hold all of one layer's experts at once (it uses the union of its tokens' experts, trimmed back after the layer).
 
 Expert reads cannot hide behind compute the way window prefetches do: which experts a layer needs is known only
-when its router has run. So a miss costs its read time on top of the dense pipeline's time.
+when its router has run. So a miss costs its read time on top of the dense pipeline's time. What experts cost is
+experts.cost's (the one cost model of experts); this module sizes the cache and asks it.
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Callable
 
 from flexoffload.gguf.model import Model
 from flexoffload.plan import experts
 from flexoffload.plan.costmodel import Profile
 
-HitRate = Callable[[int], float]  # slots per layer -> share of a token's routed experts found in memory
+HitRate = Callable[[int], experts.Misses]  # slots per layer -> what a cache of that many misses, by layer
 
 
 def dense(model: Model) -> Model:
@@ -43,36 +43,15 @@ def memory(model: Model, slots: int, ubatch: int | None = None) -> int:
 
 
 def uniform(model: Model) -> HitRate:
-    """Routing spread evenly over the experts (random weights route so): a layer keeping s of its n experts holds
-    a routed expert with probability s/n. The worst case for a cache; a routing trace replaces it."""
-    return lambda slots: min(1.0, max(slots, 0) / model.n_expert)
+    """Routing spread evenly over the experts (experts.Misses.uniform), where no routing trace was measured. Not
+    what random weights do: they send nearly every token to the same few experts (docs/experts.md), so a plan
+    predicts fewer hits than such a model gets."""
+    return lambda slots: experts.Misses.uniform(model, slots)
 
 
-@dataclass(frozen=True)
-class Cost:
-    slots: int
-    hit_rate: float
-    bytes_per_token: int  # expert bytes read per decoded token
-    seconds: float  # what experts add to a token's time: their reads and their compute
-
-
-def cost(model: Model, slots: int, profile: Profile, hit_rate: HitRate, io_threads: int) -> Cost:
-    """A decoded token's expert reads (its misses: one read per expert and tensor, several in flight on the I/O
-    threads, none overlapped with compute) and the routed experts' compute."""
-    h = hit_rate(slots)
-    k = model.n_expert_used
-    units, unit_reads = experts.unit_bytes(model), experts.unit_reads(model)
-    seconds, n_bytes = 0.0, 0
-    for il in expert_layers(model):
-        unit = units[il]
-        misses = k * (1.0 - h)
-        reads = misses * unit_reads[il]
-        n_bytes += int(misses * unit)
-        seconds += misses * unit / profile.disk_bw + math.ceil(reads / io_threads) * profile.io_latency
-        for t in model.layer_tensors(il):
-            if t.kind == "expert":
-                seconds += k * (t.n_bytes // model.n_expert) * profile.seconds_per_byte(t.type)
-    return Cost(slots=slots, hit_rate=h, bytes_per_token=n_bytes, seconds=seconds)
+def cost(model: Model, slots: int, profile: Profile, hit_rate: HitRate, io_threads: int) -> experts.Cost:
+    """What experts add to a decoded token's time with `slots` a layer: experts.cost of the misses hit_rate gives."""
+    return experts.cost(model, slots, hit_rate(slots), profile, io_threads)
 
 
 def candidates(model: Model) -> list[int]:

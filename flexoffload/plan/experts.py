@@ -1,6 +1,7 @@
 """An expert cache, replayed: which experts a text routes to (a Trace), how many of them a cache of a given size and
-replacement policy would have to read (a Replay), and what that costs a decoded token (a Prediction). Issue 28,
-items 2-3; the trace itself is measured by measure/experts.py.
+replacement policy would have to read (a Replay), and what that costs a decoded token (cost, predict): the one cost
+model of experts, which the planner's expert cache (expertcache.py) uses too. Issue 28, items 2-3; the trace itself
+is measured by measure/experts.py.
 
 The cache being predicted is the runtime's (patch 0018): a unit is one expert of one layer, its slices of all that
 layer's *_exps tensors (nb[2] bytes of each). Each layer keeps `slots` units between steps (or, the pool variant, all
@@ -95,6 +96,7 @@ class Replay:
     n_steps: int
     requests: int  # units the steps needed (per step and layer, the union of its tokens' experts)
     misses_by_layer: tuple[int, ...]  # units read, by layer
+    steps_by_misses: tuple[tuple[int, ...], ...] = ()  # by layer: [m] the steps that read m units there
 
     @property
     def misses(self) -> int:
@@ -119,7 +121,8 @@ class Replay:
         return self.misses / max(self.n_steps, 1)
 
     def to_dict(self) -> dict:
-        return {**asdict(self), "misses_by_layer": list(self.misses_by_layer), "hit_rate": self.hit_rate,
+        return {**asdict(self), "misses_by_layer": list(self.misses_by_layer),
+                "steps_by_misses": [list(x) for x in self.steps_by_misses], "hit_rate": self.hit_rate,
                 "misses_per_token": self.misses_per_token, "misses_per_step": self.misses_per_step}
 
 
@@ -150,18 +153,23 @@ def simulate(trace: Trace, slots: int, policy: str, batch: int = 1, pool: bool =
     caches = [_Cache(policy, capacity) for _ in range(1 if pool else n_layer)]
     upcoming = _next_uses(steps, n_layer) if policy == "belady" else None
     misses = [0] * n_layer
+    by_misses = [[0] * (trace.n_expert + 1) for _ in range(n_layer)]
     requests = 0
     for s, step in enumerate(steps):
         for layer, units in enumerate(step):
             cache = caches[0 if pool else layer]
             requests += len(units)
+            missed = 0
             for i, e in enumerate(units):
                 unit = (layer, e)
                 if unit not in cache:
-                    misses[layer] += 1
+                    missed += 1
                 cache.use(unit, upcoming[s][layer][i] if upcoming else None)
             cache.trim({(layer, e) for e in units})
-    return Replay(policy, slots, batch, pool, trace.n_tokens, len(steps), requests, tuple(misses))
+            misses[layer] += missed
+            by_misses[layer][missed] += 1
+    return Replay(policy, slots, batch, pool, trace.n_tokens, len(steps), requests, tuple(misses),
+                  tuple(tuple(x) for x in by_misses))
 
 
 def _next_uses(steps: list[list[list[int]]], n_layer: int) -> list[list[list[float]]]:
@@ -267,6 +275,76 @@ def check(model: Model, trace: Trace) -> None:
 
 
 @dataclass(frozen=True)
+class Misses:
+    """What an expert cache misses where a decoded token passes: shares[layer][m], the share of tokens that read m
+    units at that layer (a layer's shares sum to 1), and the hit rate over all the units tokens use."""
+
+    hit_rate: float
+    shares: tuple[tuple[float, ...], ...]
+
+    @classmethod
+    def replayed(cls, replay: Replay) -> "Misses":
+        """As a replay of one token a step counted them."""
+        if replay.batch != 1:
+            raise FlexoffloadError("a decode prediction replays one token a step, not a batch")
+        steps = max(replay.n_steps, 1)
+        return cls(replay.hit_rate, tuple(tuple(n / steps for n in layer) for layer in replay.steps_by_misses))
+
+    @classmethod
+    def uniform(cls, model: Model, slots: int) -> "Misses":
+        """Routing spread evenly over the experts, each token's choice independent of the last: a layer keeping
+        s of its n experts holds each of a token's k with probability s/n, so it misses m of them binomially. No
+        measured routing looks like this (random weights send nearly every token to the same few experts,
+        docs/experts.md); it stands in where no trace was measured."""
+        k, n = model.n_expert_used, model.n_expert
+        hit = min(1.0, max(slots, 0) / n)
+        miss = tuple(math.comb(k, m) * (1 - hit) ** m * hit ** (k - m) for m in range(k + 1))
+        reads = unit_reads(model)
+        return cls(hit, tuple(miss if reads[il] else (1.0,) for il in range(model.n_layer)))
+
+    def per_layer(self) -> list[float]:
+        """Units read per token, by layer."""
+        return [sum(m * p for m, p in enumerate(layer)) for layer in self.shares]
+
+
+@dataclass(frozen=True)
+class Cost:
+    """What experts add to a decoded token with `slots` units a layer cached."""
+
+    slots: int
+    hit_rate: float
+    units_per_token: float  # expert units read per token
+    bytes_per_token: float  # bytes those units weigh
+    compute_s: float  # the routed experts' compute (hits and misses alike)
+    read_s: float  # the misses' reads
+
+    @property
+    def seconds(self) -> float:
+        return self.compute_s + self.read_s
+
+
+def cost(model: Model, slots: int, misses: Misses, profile: Profile, io_threads: int = IO_THREADS) -> Cost:
+    """A decoded token's experts: the routed experts' compute, and the reads of the units it misses.
+
+    The model of time: at each layer, the units a token misses are read as one burst (one request per unit and
+    *_exps tensor, io_threads in flight) that starts only once the layer's router has run, and the layer's experts
+    compute right after, so the burst overlaps nothing: its time (profile.expert_read_seconds: a latency plus its
+    bytes at the speed the profile measured for bursts of expert slices) adds to the token's. A layer that misses
+    nothing adds no read. Not modelled: reading up and down while gate computes, prefetching from a predicted
+    router, the page cache."""
+    sizes, reads = unit_bytes(model), unit_reads(model)
+    if len(misses.shares) != model.n_layer:
+        raise FlexoffloadError(f"misses of {len(misses.shares)} layers for {model.path.name}'s {model.n_layer}")
+    read_s = sum(share * profile.expert_read_seconds(m * sizes[il], m * reads[il], io_threads)
+                 for il, layer in enumerate(misses.shares) for m, share in enumerate(layer) if m and share)
+    per_layer = misses.per_layer()
+    compute_s = sum(model.token_bytes(t) * profile.seconds_per_byte(t.type) for t in model.tensors
+                    if t.kind == "expert")
+    return Cost(slots, misses.hit_rate, sum(per_layer), sum(u * b for u, b in zip(per_layer, sizes)), compute_s,
+                read_s)
+
+
+@dataclass(frozen=True)
 class Prediction:
     """A decoded token with an expert cache of `slots` units per layer under `policy`."""
 
@@ -276,7 +354,7 @@ class Prediction:
     units_per_token: float  # expert units read per token
     bytes_per_token: float  # bytes those units weigh
     cache_bytes: int  # what the cache holds: slots units of every layer
-    compute_s: float  # the token's compute with every weight in memory
+    compute_s: float  # the token's compute with every weight in memory, the routed experts' included
     read_s: float  # the misses' reads
     tok_s: float
 
@@ -286,27 +364,15 @@ class Prediction:
 
 def predict(model: Model, trace: Trace, slots: int, policy: str, profile: Profile, io_threads: int = IO_THREADS,
             replay: Replay | None = None) -> Prediction:
-    """Decode speed with an expert cache, by replaying the trace one token a step (or from a replay of it).
-
-    The model of time: a token computes as it would with every weight in memory (compute_seconds: the profile's
-    in-memory decode time; profile.measure calibrates it on this model's measured speed, so it holds the routed
-    experts' compute, whatever the cost model spreads it over), dense weights resident, plus the reads of its missed
-    units, one after another: a layer's expert ids are known only once its router has run, and its experts compute
-    right after, so a miss's read overlaps nothing. A read is its bytes at the profile's disk bandwidth plus a
-    latency per request (one per *_exps tensor) shared by io_threads in flight. Not modelled: reading one matrix
-    while another computes, prefetching from a predicted router, page cache, the dense weights' own streaming."""
+    """Decode speed with an expert cache, by replaying the trace one token a step (or from a replay of it): the
+    token's compute with every weight in memory (compute_seconds: dense weights resident; the calibrated profile
+    spreads the measured in-memory time over the dense matmuls and the routed experts) plus cost()'s reads. Not
+    modelled: the dense weights' own streaming (the planner adds that: planners/_moe_plan)."""
     check(model, trace)
-    replay = replay or simulate(trace, slots, policy)
-    if replay.batch != 1:
-        raise FlexoffloadError("a decode prediction replays one token a step, not a batch")
-    sizes, reads = unit_bytes(model), unit_reads(model)
-    per_token = [m / max(replay.n_tokens, 1) for m in replay.misses_by_layer]
-    bytes_per_token = sum(m * b for m, b in zip(per_token, sizes))
-    requests = sum(m * r for m, r in zip(per_token, reads))
-    read_s = bytes_per_token / profile.disk_bw + requests / io_threads * profile.io_latency
-    compute_s = compute_seconds(model, profile)
-    return Prediction(policy, slots, replay.hit_rate, replay.misses_per_token, bytes_per_token,
-                      slots * sum(sizes), compute_s, read_s, 1.0 / (compute_s + read_s))
+    c = cost(model, slots, Misses.replayed(replay or simulate(trace, slots, policy)), profile, io_threads)
+    compute_s = compute_seconds(model, profile) + c.compute_s
+    return Prediction(policy, slots, c.hit_rate, c.units_per_token, c.bytes_per_token, slots * sum(unit_bytes(model)),
+                      compute_s, c.read_s, 1.0 / (compute_s + c.read_s))
 
 
 def default_slots(model: Model) -> list[int]:
