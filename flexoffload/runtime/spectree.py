@@ -36,16 +36,18 @@ class Options:
     threshold: float = THRESHOLD
     alpha: float = ALPHA
     max_nodes: int | None = None  # node budget; None: from the measured target pass and draft token times
+    node_s: float = 0.0  # what a node adds to the target's pass (VERIFY_SHARE of its compute a token); 0: unknown
 
 
 class Node:
-    __slots__ = ("token", "parent", "pos", "prob", "conf", "children", "decoded", "in_pass")
+    __slots__ = ("token", "parent", "pos", "prob", "conf", "children", "decoded", "in_pass", "origins")
 
     def __init__(self, token: int, parent: "Node | None", pos: int, prob: float, conf: float):
         self.token, self.parent, self.pos, self.prob, self.conf = token, parent, pos, prob, conf
         self.children: list[Node] = []
         self.decoded = False  # in the draft's KV cache
         self.in_pass = False  # part of the target pass being verified
+        self.origins: list = []  # (drafter, kind) of the free drafters that proposed it (drafters.merge)
 
     def path_from(self, top: "Node") -> list["Node"]:
         """The nodes from top (included) down to this one."""
@@ -71,11 +73,13 @@ class Stats:
     n_drafted: int = 0  # tree nodes the target checked, roots excluded
     n_accepted: int = 0  # of those, kept
     n_reused: int = 0  # tokens drafted during verification and kept
+    n_emitted: int = 0  # tokens the verifications gave (accepted and the target's own)
     tree_sizes: list[int] = field(default_factory=list)
     draft_s: float = 0.0  # drafting between target passes
     pipeline_draft_s: float = 0.0  # drafting during target passes (the pipeline), not on the critical path
     target_s: float = 0.0
     stall_s: float = 0.0
+    by_drafter: dict[str, list[int]] = field(default_factory=dict)  # drafter -> [nodes verified, accepted]
 
     def to_dict(self, n_gen: int) -> dict:
         sizes = self.tree_sizes or [0]
@@ -88,6 +92,8 @@ class Stats:
             "draft_s": self.draft_s, "pipeline_draft_s": self.pipeline_draft_s,
             "target_compute_s": max(self.target_s - self.stall_s, 0.0),
             "io_stall_s": self.stall_s, "target_s": self.target_s,
+            "drafters": {name: {"n_drafted": n, "n_accepted": a, "acceptance_rate": a / n if n else 0.0}
+                         for name, (n, a) in self.by_drafter.items()},
         }
 
 

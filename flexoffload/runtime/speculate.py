@@ -17,6 +17,11 @@ The tree itself (nodes, branches, the pacer, the walk) is spectree.py; this modu
 draft's steps, the target's pass over a tree, the pipeline, and the KV bookkeeping, in both models: sequence 0 holds the accepted history; branch sequences are copies of their parent's
 cells up to the fork (`llama_memory_seq_cp` only adds the sequence id to shared cells). After a verification the kept
 path is moved into sequence 0 and every other sequence is dropped, which frees the rejected cells.
+
+Free drafters (drafters.py: n-grams of the context, Token Recycling) add their branches to the tree before each pass,
+beside the draft's or, without a draft model, alone: then no draft Engine is loaded and the tree costs no memory but
+the drafters' tables. Their nodes are never in the draft's cache; a path through them leaves the draft the tokens it
+has not seen as its backlog.
 """
 
 from __future__ import annotations
@@ -33,11 +38,14 @@ from flexoffload.gguf.model import Model, load
 from flexoffload.plan.costmodel import looked_up_only
 from flexoffload.plan.plan import override_patterns
 from flexoffload.plan.planners import is_small
+from flexoffload.runtime import drafters as free
 from flexoffload.runtime.engine import Engine, Result, TextOut, stream_timings
 from flexoffload.runtime.spectree import (MAX_BRANCHES, MAX_NODES, MIN_NODES, Branch, Node, Options, Stats, Tree,
                                           next_alpha, next_threshold)
 
 DEAD_SEQ = MAX_BRANCHES  # the target's sequence for rejected cells kept occupied (see Speculator._bury)
+FREE_NODES = 16  # free drafters' node budget where neither --draft-max nor the cost of a node is known
+FREE_NODES_MAX = 32  # and where the cost of a node is known (chosen by it): the target's logits rows
 
 
 def _idle_thread() -> tuple[int, int] | None:
@@ -88,7 +96,7 @@ def _softmax(logits: np.ndarray) -> np.ndarray:
 class _Call:
     """What one generate call keeps between its steps."""
     tbatch: _Batch  # the target's: a tree a pass
-    dbatch: _Batch  # the draft's: a path a step
+    dbatch: _Batch | None  # the draft's: a path a step (None: no draft model)
     sampler: object  # the target's llama_sampler chain
     pos_limit: int  # the last position the context holds
     alpha: float  # the fallback threshold (LLMCad eq. 3)
@@ -101,21 +109,28 @@ class _Call:
     t_token: float | None = None  # a draft token, seconds (smoothed)
     pass_nodes: list[Node] = field(default_factory=list)  # the last pass's nodes, in batch order
     pass_seqs: dict[int, list[int]] = field(default_factory=dict)  # and the branches each lies on
+    history: list[int] = field(default_factory=list)  # prompt and output, the tree's root last
 
 
 class Speculator:
-    """Generation by the target model, sped up by a draft model's token trees. Both engines are loaded by the
-    caller: the target with n_outputs and n_seq_max for a tree (see `target_settings`), the draft resident."""
+    """Generation by the target model, sped up by token trees from a draft model and/or free drafters
+    (drafters.py). The engines are loaded by the caller: the target with n_outputs and n_seq_max for a tree (see
+    `target_settings`), the draft (None: free drafters alone) resident."""
 
-    def __init__(self, target: Engine, draft: Engine, options: Options | None = None):
+    def __init__(self, target: Engine, draft: Engine | None, options: Options | None = None,
+                 drafters: list[free.Drafter] = ()):
         self.target, self.draft, self.options = target, draft, options or Options()
+        self.drafters = list(drafters)
+        if draft is None and not self.drafters:
+            raise FlexoffloadError("speculation needs a draft model or a free drafter")
         self.lib = target.lib
         self.n_nodes_max = min(target.settings.n_outputs, MAX_NODES)
-        n_seq = min(target.settings.n_seq_max, draft.settings.n_seq_max, MAX_BRANCHES)
+        n_seq = min(target.settings.n_seq_max, draft.settings.n_seq_max if draft else MAX_BRANCHES, MAX_BRANCHES)
         if self.n_nodes_max < 2 or n_seq < 1:
             raise FlexoffloadError("speculation needs a target with n_outputs >= 2")
         self.n_seq = n_seq if self.options.tree else 1
-        tv, dv = self.lib.llama_vocab_n_tokens(target.vocab), self.lib.llama_vocab_n_tokens(draft.vocab)
+        tv = self.lib.llama_vocab_n_tokens(target.vocab)
+        dv = self.lib.llama_vocab_n_tokens(draft.vocab) if draft else tv
         if tv != dv:
             raise FlexoffloadError(f"the draft's vocabulary ({dv} tokens) is not the target's ({tv})")
         self.n_vocab = tv
@@ -168,6 +183,7 @@ class Speculator:
             if rank > 0 and (not siblings or p < c.threshold or len(tree.branches) >= self.n_seq):
                 break
             node = tree.add(leaf, token, p)
+            node.origins.append((None, rank))  # the draft model's
             added.append(node)
             if rank == 0:
                 branch.leaf, branch.length = node, branch.length + 1
@@ -192,6 +208,75 @@ class Speculator:
             self._grow(branch, siblings=self.options.tree)
             if self.options.adaptive and tree.confidence() < self.call.alpha:
                 return
+
+    # --- the free drafters ---------------------------------------------------------------------------------------
+
+    def _add_free(self, budget: int) -> None:
+        """The free drafters' branches merged into the tree, within what is left of the node budget and of the
+        sequences: the most confident nodes, each with its parent, while a node's confidence (the tokens it is
+        expected to add) pays for what it adds to the pass (node_s against the seconds an output token takes)."""
+        c, tree = self.call, self.call.tree
+        n_left = budget - tree.n_nodes
+        if not self.drafters or n_left <= 0:
+            return
+        proposals = [(d, p) for d in self.drafters for p in d.propose(c.history, n_left)]
+        if not proposals:
+            return
+        min_conf = 0.0
+        if self.options.node_s > 0 and c.t_pass:
+            per_pass = c.stats.n_emitted / c.stats.n_verify if c.stats.n_verify else 1.0
+            min_conf = self.options.node_s * per_pass / c.t_pass
+        # a branch of the free drafters alone may grow on; the draft model's keep their leaves (its cache)
+        growable = [b for b in tree.branches if self.draft is None or b.seq < 0]
+        n_leaves = self.n_seq - len(tree.branches) + sum(1 for b in growable if b.leaf is tree.root)
+        for picks in free.merge(proposals, n_left, n_leaves, min_conf):
+            path, node = [], tree.root
+            for pick in picks:  # how far the tree has the path already
+                node = next((ch for ch in node.children if ch.token == pick.token), None)
+                if node is None:
+                    break
+                path.append(node)
+            leaf = path[-1] if path else tree.root
+            owner = next((b for b in growable if b.leaf is leaf), None) if len(path) < len(picks) else None
+            if len(path) < len(picks) and owner is None:
+                if len(tree.branches) >= self.n_seq:
+                    continue
+                owner = Branch(-1, leaf, 0, done=True)  # no draft sequence: the draft never grows it
+                tree.branches.append(owner)
+                growable.append(owner)
+            for pick in picks[len(path):]:
+                leaf = tree.add(leaf, pick.token, pick.prob)
+                path.append(leaf)
+            for node, pick in zip(path, picks):
+                node.origins.extend(pick.origins)
+            if owner is not None:
+                owner.leaf = leaf
+
+    def _judge(self, nodes: list[Node], last: Node) -> None:
+        """Tell each drafter what the target made of its nodes: for each node whose parent the target accepted,
+        whether it did too (drafters learn their chances from it), and the logits after every node (Token
+        Recycling's table); count the nodes and acceptances of each drafter."""
+        c = self.call
+        kept = set(map(id, c.tree.path(last)))
+        for n in nodes[1:]:
+            accepted = id(n) in kept
+            for name in {d.name if d else "model" for d, _ in n.origins}:
+                counts = c.stats.by_drafter.setdefault(name, [0, 0])
+                counts[0] += 1
+                counts[1] += accepted
+            if id(n.parent) in kept:
+                for d, kind in n.origins:
+                    if d is not None:
+                        d.judge(kind, accepted)
+        learners = [d for d in self.drafters if d.wants_logits]
+        if learners:
+            # the rows of the accepted path and of the nodes just off it: a top-k over the vocabulary costs about
+            # 1.5 ms a row, so not every row of a large tree
+            rows = [i for i, n in enumerate(nodes) if id(n) in kept or (n.parent and id(n.parent) in kept)]
+            logits = np.stack([np.ctypeslib.as_array(self.lib.llama_get_logits_ith(self.target.ctx, i),
+                                                     shape=(self.n_vocab,)) for i in rows])
+            for d in learners:
+                d.learn([nodes[i].token for i in rows], logits)
 
     # --- the target ---------------------------------------------------------------------------------------------
 
@@ -232,10 +317,12 @@ class Speculator:
         out, last, ended = tree.walk(nodes, self._sample, lambda token: lib.llama_vocab_is_eog(t.vocab, token))
         accepted = len(out) - 1
         c.stats.n_accepted += accepted
+        c.stats.n_emitted += len(out)
+        self._judge(nodes, last)
         n_all = tree.matched(last)
-        if self.options.adaptive and n_all:  # LLMCad eq. 3 over the most matching branch
+        if self.draft is not None and self.options.adaptive and n_all:  # LLMCad eq. 3 over the most matching branch
             c.alpha = next_alpha(c.alpha, accepted, n_all)
-        if self.options.adaptive_split and self.options.tree:
+        if self.draft is not None and self.options.adaptive_split and self.options.tree:
             c.threshold = next_threshold(c.threshold, tree.took_branch(last), tree.had_branch(nodes),
                                          accepted >= n_all)
         if not ended:
@@ -246,7 +333,7 @@ class Speculator:
         """The target's llama_decode over the tree (its return code appended to rc), with the draft going on
         meanwhile when pipelining."""
         lib, t, c = self.lib, self.target, self.call
-        if not self.options.pipeline:
+        if not self.options.pipeline or self.draft is None:
             rc.append(lib.llama_decode(t.ctx, c.tbatch.batch))
             return
         # The draft must not slow the target's pass down (LLMCad: the two never compute at once). It computes on
@@ -309,6 +396,9 @@ class Speculator:
         # target: root .. last are in its cache now, in the sequences of the branches through them
         self._bury(last)
         self._move_to_history(self.target.ctx, tree.owner(last), top, last.pos + 1, range(1, len(tree.branches)))
+        if self.draft is None:
+            c.tree = Tree(Node(token, None, last.pos + 1, 1.0, 1.0))
+            return
 
         # draft: keep the decoded part of the path (and of the reused chain)
         kept_leaf = last
@@ -316,10 +406,12 @@ class Speculator:
             kept_leaf = reuse
             while kept_leaf.children:  # drafted during the pass: a chain
                 kept_leaf = kept_leaf.children[0]
-        owner = tree.branches[tree.owner(kept_leaf)]
         decoded = [n for n in tree.path(kept_leaf) if n.decoded]
         end = decoded[-1].pos + 1 if decoded else top
-        self._move_to_history(self.draft.ctx, owner.seq, top, end, [b.seq for b in tree.branches if b.seq != 0])
+        # the decoded nodes are in the draft's sequence of the first branch through the deepest (a free drafter's
+        # branches come after the draft's and are never decoded)
+        seq = tree.branches[tree.owner(decoded[-1])].seq if decoded else 0
+        self._move_to_history(self.draft.ctx, seq, top, end, [b.seq for b in tree.branches if b.seq > 0])
         c.backlog = [n.token for n in tree.path(last) if not n.decoded]
         c.free_seqs = list(range(self.n_seq - 1, 0, -1))
 
@@ -357,10 +449,14 @@ class Speculator:
             lib.llama_memory_seq_rm(mem, s, -1, -1)
 
     def _node_budget(self) -> int:
-        """As many nodes as the draft makes in one target pass: drafting longer costs more than verifying."""
+        """As many nodes as the draft makes in one target pass: drafting longer costs more than verifying. Free
+        drafters alone: all the target's rows (their nodes are chosen by what a node costs, _add_free), or
+        FREE_NODES where that cost is unknown."""
         c = self.call
         if self.options.max_nodes:
             return min(self.options.max_nodes, self.n_nodes_max)
+        if self.draft is None:
+            return self.n_nodes_max if self.options.node_s > 0 else min(FREE_NODES, self.n_nodes_max)
         if not c.t_pass or not c.t_token:
             return min(16, self.n_nodes_max)
         return max(MIN_NODES, min(self.n_nodes_max, int(c.t_pass / c.t_token)))
@@ -369,17 +465,20 @@ class Speculator:
 
     def generate(self, prompt: str, n_predict: int, on_text=None) -> Result:
         lib, t, d = self.lib, self.target, self.draft
-        n_ctx = min(t.n_ctx, d.n_ctx)
-        d.start(prompt, n_ctx)
+        n_ctx = min(t.n_ctx, d.n_ctx) if d else t.n_ctx
+        if d:
+            d.start(prompt, n_ctx)
         prompt_tokens = t.start(prompt, n_ctx)  # the target's last: its streaming statistics start here
         c = self.call = _Call(tbatch=_Batch(lib, max(t.n_batch, self.n_nodes_max), MAX_BRANCHES),
-                              dbatch=_Batch(lib, d.n_batch, 1), sampler=t._sampler(), pos_limit=n_ctx - 1,
-                              alpha=self.options.alpha, threshold=self.options.threshold)
+                              dbatch=_Batch(lib, d.n_batch, 1) if d else None, sampler=t._sampler(),
+                              pos_limit=n_ctx - 1, alpha=self.options.alpha, threshold=self.options.threshold)
+        for drafter in self.drafters:
+            drafter.reset()
         text_out, stop = TextOut(t, on_text), "limit"
         tokens = text_out.tokens
         try:
             t_start = time.perf_counter()
-            if len(prompt_tokens) > 1:  # both models read the prompt before the first token
+            if d and len(prompt_tokens) > 1:  # both models read the prompt before the first token
                 self.draft_decode(prompt_tokens[:-1], 0, 0)
             c.backlog = [prompt_tokens[-1]]
             for i in range(0, len(prompt_tokens), t.n_batch):  # the target's prompt passes give the first token
@@ -390,6 +489,7 @@ class Speculator:
             c.t_pass = t_first - t_pass  # a pass over the target's weights, to size the first tree
             c.free_seqs = list(range(self.n_seq - 1, 0, -1))
             c.tree = Tree(Node(first, None, len(prompt_tokens), 1.0, 1.0))
+            c.history = list(prompt_tokens) + [first]
             if lib.llama_vocab_is_eog(t.vocab, first):
                 stop = "eog"
             else:
@@ -400,12 +500,18 @@ class Speculator:
                     break
                 steps0, draft0 = c.tree.n_nodes, c.stats.draft_s
                 budget = min(self._node_budget(), c.pos_limit - c.tree.root.pos)
-                self._draft_tree(budget)
+                if d:
+                    self._draft_tree(budget)
                 grown = c.tree.n_nodes - steps0
                 if grown > 0:
                     per_token = (c.stats.draft_s - draft0) / grown
                     c.t_token = per_token if c.t_token is None else 0.5 * (c.t_token + per_token)
+                t_free = time.perf_counter()
+                # beside a draft's tree, the free drafters' nodes cost no draft time: up to the target's rows
+                self._add_free(min(self.n_nodes_max, c.pos_limit - c.tree.root.pos) if d else budget)
+                c.stats.draft_s += time.perf_counter() - t_free
                 out, ended = self._verify()
+                c.history += out
                 for token in out:
                     if lib.llama_vocab_is_eog(t.vocab, token):
                         stop = "eog"
@@ -419,19 +525,34 @@ class Speculator:
         finally:
             lib.llama_sampler_free(c.sampler)
             c.tbatch.free()
-            c.dbatch.free()
+            if c.dbatch:
+                c.dbatch.free()
         timings = c.stats.to_dict(len(tokens))
         if t.settings.strategy != "mmap":  # the target's reads only (a draft's streamed rows are the draft's)
             timings.update(stream_timings(t_end - t_start, t.model))
-        return Result.of(prompt_tokens, text_out, (t_start, t_first, t_end), len(tokens) - 1, t.load_s + d.load_s,
-                         t.settings.strategy + "+tree", stop, timings)
+        if self.drafters:
+            timings["free_table_bytes"] = sum(x.table_bytes for x in self.drafters)
+        return Result.of(prompt_tokens, text_out, (t_start, t_first, t_end), len(tokens) - 1,
+                         t.load_s + (d.load_s if d else 0.0), t.settings.strategy + "+tree", stop, timings)
 
 
-def run(target_path, settings, draft_path, options: Options, prompt: str, n_predict: int, on_text=None) -> Result:
-    """Load the target (as settings say: streamed by its plan, or mmap) and the draft (resident), and generate."""
+def run(target_path, settings, draft_path, options: Options, prompt: str, n_predict: int, on_text=None,
+        free_drafters: tuple[str, ...] = ()) -> Result:
+    """Load the target (as settings say: streamed by its plan, or mmap) and the draft (resident; None: free
+    drafters alone, no draft loaded), and generate."""
+    if draft_path is None:
+        with Engine(target_path, target_settings(settings, options.max_nodes or free_nodes(options))) as target:
+            chosen = free.make(free_drafters, target.lib.llama_vocab_n_tokens(target.vocab))
+            return Speculator(target, None, options, chosen).generate(prompt, n_predict, on_text)
     with Engine(draft_path, draft_settings(settings, load(draft_path))) as draft, \
             Engine(target_path, target_settings(settings, options.max_nodes)) as target:
-        return Speculator(target, draft, options).generate(prompt, n_predict, on_text)
+        chosen = free.make(free_drafters, target.lib.llama_vocab_n_tokens(target.vocab))
+        return Speculator(target, draft, options, chosen).generate(prompt, n_predict, on_text)
+
+
+def free_nodes(options: Options) -> int:
+    """The rows a target keeps for free drafters alone (each row is n_vocab floats of logits)."""
+    return FREE_NODES_MAX if options.node_s > 0 else FREE_NODES
 
 
 def target_settings(settings, max_nodes: int | None = None):
