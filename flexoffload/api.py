@@ -65,6 +65,7 @@ class Request:
     adaptive_split: bool = True
     pipeline: bool = False
     draft_always: bool = False  # speculate even where the target alone is predicted faster
+    spec_type: str = "none"  # free drafters (runtime/drafters.py), a comma list; auto: as the cost model says
     rpc: str | None = None  # RPC servers (HOST:PORT,...) the plan places tensors on
     n_gpu_layers: int = 0  # with rpc: the last layers offloaded to the servers' devices, as llama.cpp's -ngl
     placement: str = "auto"  # with rpc and --mem: how weights are placed across the devices (placers)
@@ -123,6 +124,7 @@ class Draft:
     adaptive_split: bool = True
     pipeline: bool = False
     always: bool = False  # speculate even where the target alone is predicted faster
+    spec_type: str = "none"  # free drafters beside it, or alone with model None (run --spec-type; see Request)
 
 
 @dataclass(frozen=True)
@@ -154,7 +156,8 @@ def request(model, prompt: str, generation: Generation = Generation(), budget: B
                    seed=g.seed, mem=b.mem, strategy=b.strategy, policy=b.policy, plan_dir=b.plan_dir,
                    window=b.window, io_threads=b.io_threads, draft=d.model, draft_max=d.max,
                    draft_p_split=d.p_split, spec=d.spec, pacer=d.pacer, adaptive=d.adaptive,
-                   adaptive_split=d.adaptive_split, pipeline=d.pipeline, draft_always=d.always, rpc=p.rpc,
+                   adaptive_split=d.adaptive_split, pipeline=d.pipeline, draft_always=d.always, spec_type=d.spec_type,
+                   rpc=p.rpc,
                    n_gpu_layers=p.n_gpu_layers, placement=p.policy, n_ubatch=g.n_ubatch, flash_attn=g.flash_attn,
                    cache_type_k=g.cache_type_k, cache_type_v=g.cache_type_v, move_back=b.move_back,
                    precision=q.mode, max_kld=q.max_kld, min_tok_s=q.min_tok_s, original=q.original,
@@ -202,6 +205,11 @@ def _check(r: Request) -> None:
         raise FlexoffloadError("-cnv and -md: a conversation runs the model alone, for now")
     if r.spec not in ("tree", "chain"):
         raise FlexoffloadError(f"unknown speculation shape {r.spec!r}: tree or chain")
+    free = _free_types(r)  # checks the list
+    if free and free != ["auto"] and not r.draft:
+        if r.n_ubatch or r.flash_attn != "auto" or _kv_quantized(r) or r.chat or r.rpc:
+            raise FlexoffloadError("--spec-type with free drafters: not with -ub, -fa, -ctk, -ctv, -cnv or --rpc, "
+                                   "for now")
     if r.rpc:
         from flexoffload.native import devices
 
@@ -224,6 +232,60 @@ def _check(r: Request) -> None:
 
 def _kv_quantized(r: Request) -> bool:
     return (r.cache_type_k, r.cache_type_v) != ("f16", "f16")
+
+
+FREE_AUTO = ("ngram-simple", "recycle")  # --spec-type auto's free drafters where they pay, without -md
+FREE_AUTO_MD = ("ngram-simple",)  # and beside a draft model (its n-grams cost no draft time, no table)
+FREE_PAYS = 1.5  # auto without -md: speculate where a target pass takes this many times its compute or more
+
+
+def _free_types(r: Request) -> list[str]:
+    """--spec-type's free drafters (runtime/drafters.py), ["auto"] while undecided, [] for none. `model` names the
+    draft model (-md), which is in the tree whenever -md is given."""
+    from flexoffload.runtime import drafters
+
+    names = [n.strip() for n in (r.spec_type or "none").split(",") if n.strip()]
+    for n in names:
+        if n not in drafters.SPEC_TYPES + ("none",):
+            raise FlexoffloadError(f"unknown --spec-type {n!r}: a list of {', '.join(drafters.SPEC_TYPES)}, or none")
+    if ("auto" in names or "none" in names) and len(names) > 1:
+        raise FlexoffloadError("--spec-type auto and none stand alone, not in a list")
+    if "model" in names and not r.draft:
+        raise FlexoffloadError("--spec-type model is the draft model: give it with -md")
+    return ["auto"] if names == ["auto"] else [n for n in names if n in drafters.DRAFTERS]
+
+
+def _free_pays(model, r: Request, limit: int | None) -> bool:
+    """--spec-type auto without -md: whether free drafters pay, by a simple rule: where the run streams by a plan
+    whose one-token pass takes FREE_PAYS times the target's compute or more (the disk, not compute, sets the pass, so
+    a tree costs little more than a token)."""
+    if (limit is None or r.strategy != "stream" or r.plan_dir or r.rpc or r.chat or r.n_ubatch
+            or r.flash_attn != "auto" or _kv_quantized(r)):
+        return False
+    from flexoffload.measure import profile as profiler
+    from flexoffload.plan import plan as plans
+    from flexoffload.plan.costmodel import compute_seconds
+
+    alone = plan_for_run(model, r, limit)
+    if alone is None or alone.policy == tuning.MMAP or not plans.streamed_bytes(alone, model):
+        return False
+    return 1 / alone.predicted_tok_s > FREE_PAYS * compute_seconds(model, profiler.measure(model, r.n_threads))
+
+
+def _prepare_free(model, r: Request, limit: int | None, notes: list[str]) -> tuple[Prepared | None, Request]:
+    """A run without -md with free drafters (--spec-type): its plan counts the tree's logits rows, its sequences and
+    the drafters' tables. (None, the request decided to run alone) where auto finds they do not pay."""
+    from flexoffload.runtime import drafters, speculate, spectree
+
+    names = _free_types(r)
+    if names == ["auto"]:
+        if not _free_pays(model, r, limit):
+            return None, replace(r, spec_type="none")
+        names = list(FREE_AUTO)
+    table = drafters.table_bytes(names, model.n_vocab)
+    rows = r.draft_max or (speculate.FREE_NODES_MAX if limit is not None else speculate.FREE_NODES)
+    plan = plan_for_run(model, r, limit, max(rows, spectree.MAX_BRANCHES + 1), spectree.MAX_BRANCHES + 1, table)
+    return Prepared(replace(r, spec_type=",".join(names)), model, limit, plan, draft_bytes=table, notes=notes), r
 
 
 def _step_setting(r: Request, n_outputs: int = 1):
@@ -460,6 +522,10 @@ def prepare(request: Request, n_seq_max: int = 1) -> Prepared:
         for endpoint in devices.parse_endpoints(r.rpc):
             devices.probe_rpc(endpoint)
     notes = []
+    if not r.draft and n_seq_max == 1 and _free_types(r):  # free drafters, or auto deciding on them
+        prepared, r = _prepare_free(model, r, limit, notes)  # (a tree's prompt is read at -b, as -md's)
+        if prepared is not None:
+            return prepared
     if (limit is not None and r.strategy == "stream" and not r.n_ubatch and not r.plan_dir and not r.rpc
             and not r.draft and r.flash_attn == "auto" and n_prompt > LONG_PROMPT):
         # a long prompt: the ubatch that makes the whole run fastest under the budget (prefill.py)
@@ -508,7 +574,12 @@ def prepare(request: Request, n_seq_max: int = 1) -> Prepared:
         raise FlexoffloadError("--draft-p-split must be in (0, 1]")
     draft_model = load(catalog.resolve(r.draft))
     r.draft = str(draft_model.path)
-    draft_bytes = _draft_bytes(draft_model, r)
+    from flexoffload.runtime import drafters
+
+    free = _free_types(r)
+    r.spec_type = ",".join(["model"] + (list(FREE_AUTO_MD) if free == ["auto"] else free))
+    # the free drafters' tables come out of the budget with the draft
+    draft_bytes = _draft_bytes(draft_model, r) + drafters.table_bytes(free, model.n_vocab)
     n_outputs = _tree_outputs(r)
     n_seq_max = spectree.MAX_BRANCHES + 1  # as speculate.target_settings
     plan = plan_for_run(model, r, limit, n_outputs, n_seq_max, draft_bytes)
@@ -526,7 +597,11 @@ def prepare(request: Request, n_seq_max: int = 1) -> Prepared:
             prepared.notes.append(f"flexoffload: the target alone is predicted faster at this budget "
                                   f"({alone.predicted_tok_s:.2f} tok/s, with the draft {with_draft:.2f}): running "
                                   f"without -md (--draft-always speculates anyway)")
-            return Prepared(replace(r, draft=None), model, limit, alone, notes=prepared.notes)
+            if free == ["auto"]:  # without the draft, the free drafters may still pay
+                freed, _ = _prepare_free(model, replace(r, draft=None, spec_type="auto"), limit, prepared.notes)
+                if freed is not None:
+                    return freed
+            return Prepared(replace(r, draft=None, spec_type="none"), model, limit, alone, notes=prepared.notes)
     prepared.request = replace(r, draft_always=True)  # decided: a child run must not decide again
     return prepared
 
@@ -608,14 +683,24 @@ def run_prepared(p: Prepared, on_text=None, read_line=None, note=None) -> dict:
         with engine.Engine(r.model, settings) as eng:
             result = chat.converse(eng, r.prompt.strip() or None, r.n_predict, read_line or _read_message, on_text,
                                    note or (lambda line: print(line, file=sys.stderr)))
-    elif p.draft_model is not None:
+    elif p.draft_model is not None or _free_types(r) not in ([], ["auto"]):
         from flexoffload.runtime import spectree, speculate
 
+        node_s = 0.0
+        if plan is not None:  # what a node adds to a pass: the cost model's share of a token's compute
+            from flexoffload.measure import profile as profiler
+            from flexoffload.plan.costmodel import compute_seconds
+
+            node_s = spectree.VERIFY_SHARE * compute_seconds(model, profiler.measure(model, r.n_threads))
         spec = spectree.Options(tree=r.spec == "tree", pacer=r.pacer, adaptive=r.adaptive,
                                  adaptive_split=r.adaptive_split, pipeline=r.pipeline,
-                                 threshold=r.draft_p_split, max_nodes=r.draft_max)
-        result = speculate.run(r.model, settings, r.draft, spec, r.prompt, r.n_predict, on_text).to_dict()
-        result["draft"] = {"path": r.draft, "resident_mb": p.draft_bytes / MiB}
+                                 threshold=r.draft_p_split, max_nodes=r.draft_max, node_s=node_s)
+        free = tuple(_free_types(r))
+        result = speculate.run(r.model, settings, r.draft, spec, r.prompt, r.n_predict, on_text, free).to_dict()
+        if r.draft:
+            result["draft"] = {"path": r.draft, "resident_mb": p.draft_bytes / MiB}
+        result["spec"] = {"types": r.spec_type.split(","), "node_s": node_s,
+                          "table_mb": result["timings"].get("free_table_bytes", 0) / MiB}
     else:
         with engine.Engine(r.model, settings) as eng:
             result = eng.generate(r.prompt, r.n_predict, on_text).to_dict()
@@ -623,7 +708,8 @@ def run_prepared(p: Prepared, on_text=None, read_line=None, note=None) -> dict:
     from flexoffload.measure import profile
 
     if "stream_read_gb_s" in timings:
-        profile.record_run(r.model, timings, typical=not r.draft and settings.window > 0)
+        typical = not r.draft and "n_verify" not in timings and settings.window > 0  # a tree's passes are not
+        profile.record_run(r.model, timings, typical=typical)
     result.update(peak_mem_mb=budgets.peak_rss() / MiB, peak_source="rss", enforced=False,
                   budget_mb=p.limit / MiB if p.limit else None,
                   model={"path": r.model, "size": model.file_size, "name": model.name})

@@ -19,7 +19,7 @@ def request_from_flags(model_spec, prompt, prompt_file, n_predict, ctx_size, bat
                        spec_mode, no_pacer, no_adaptive, no_adaptive_split, pipeline, draft_always, tuned, verbose,
                        rpc=None, n_gpu_layers=0, placement="auto", n_ubatch=0, flash_attn="auto",
                        cache_type_k="f16", cache_type_v="f16", precision=None, max_kld=None, min_tok_s=None,
-                       original=None, expert_slots=None):
+                       original=None, expert_slots=None, spec_type="auto"):
     """api.Request from `run`'s flags (the prompt read from -f as llama.cpp reads it)."""
     from flexoffload import api
 
@@ -31,7 +31,7 @@ def request_from_flags(model_spec, prompt, prompt_file, n_predict, ctx_size, bat
         adaptive_split=not no_adaptive_split, pipeline=pipeline, draft_always=draft_always, tuned=tuned,
         verbose=verbose, rpc=rpc, n_gpu_layers=n_gpu_layers, placement=placement, n_ubatch=n_ubatch,
         flash_attn=flash_attn, cache_type_k=cache_type_k, cache_type_v=cache_type_v, precision=precision,
-        max_kld=max_kld, min_tok_s=min_tok_s, original=original, expert_slots=expert_slots)
+        max_kld=max_kld, min_tok_s=min_tok_s, original=original, expert_slots=expert_slots, spec_type=spec_type)
 
 
 def request_from_args(args: list[str]):
@@ -81,6 +81,10 @@ def request_from_args(args: list[str]):
 @click.option("--draft-p-split", default=0.3, show_default=True, help="a draft candidate this likely opens a branch")
 @click.option("--spec", "spec_mode", type=click.Choice(["tree", "chain"]), default="tree", show_default=True,
               help="speculation shape: a token tree, or a linear chain")
+@click.option("--spec-type", "spec_type", default="auto", show_default=True, metavar="LIST",
+              help="what drafts the tree, a comma list: ngram-simple, ngram-map-k, recycle (no memory but a table), "
+                   "model (-md); none; auto: with -md model,ngram-simple, without it ngram-simple,recycle where the "
+                   "plan streams (docs/speculation.md)")
 @click.option("--no-pacer", is_flag=True, help="grow branches in turn, not by confidence (ablation)")
 @click.option("--no-adaptive", is_flag=True, help="verify only at the node budget, not on low confidence (ablation)")
 @click.option("--no-adaptive-split", is_flag=True,
@@ -110,7 +114,8 @@ def run(model_spec, prompt, prompt_file, n_predict, ctx_size, batch_size, n_ubat
         cache_type_v, threads, temp, seed,
         mem, enforce, strategy, policy, plan_dir, window, io_threads, draft_spec, draft_max, draft_p_split, spec_mode,
         no_pacer, no_adaptive, no_adaptive_split, pipeline, draft_always, tuned, rpc, n_gpu_layers, placement,
-        precision, max_kld, min_tok_s, original, expert_slots, conversation, system_prompt, as_json, verbose):
+        precision, max_kld, min_tok_s, original, expert_slots, conversation, system_prompt, as_json, verbose,
+        spec_type):
     """Generate text from a prompt (with -md: speculation by a resident draft model; -cnv: a conversation)."""
     from flexoffload import FlexoffloadError, api
 
@@ -129,7 +134,7 @@ def run(model_spec, prompt, prompt_file, n_predict, ctx_size, batch_size, n_ubat
                                  draft_p_split, spec_mode, no_pacer, no_adaptive, no_adaptive_split, pipeline,
                                  draft_always, tuned, verbose, rpc, n_gpu_layers, placement, n_ubatch, flash_attn,
                                  cache_type_k, cache_type_v, precision, max_kld, min_tok_s, original,
-                                 expert_slots=expert_slots)
+                                 expert_slots=expert_slots, spec_type=spec_type)
     request = replace(request, chat=conversation)
     if conversation and not as_json and sys.stdin.isatty():
         click.echo(f"flexoffload: a conversation ({chat_help})", err=True)

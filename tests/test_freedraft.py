@@ -1,0 +1,241 @@
+"""Speculation without a draft model (runtime/drafters.py): the drafters' proposals, Token Recycling's table, the
+merge under the node budget, and losslessness: greedy output with each free drafter equal to the target alone."""
+
+import json
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from flexoffload.gguf import synth
+from flexoffload.prompts import edit
+from flexoffload.runtime import drafters, engine, speculate
+from flexoffload.runtime.drafters import NgramMapK, NgramSimple, Proposal, Recycle
+from flexoffload.runtime.spectree import Options
+
+from conftest import cli
+
+
+# --- the drafters, in pure Python -------------------------------------------------------------------------------
+
+def test_ngram_simple_proposes_what_followed_the_last_tokens_most_recent_first():
+    d = NgramSimple(length=3)
+    #          0  1  2  3  4  5  6  7  8  9  10 11
+    history = [5, 6, 7, 8, 9, 5, 6, 7, 1, 2, 5, 6]
+    got = d.propose(history, 16)
+    # (2, 5, 6) never occurred before; (5, 6) did twice, followed by 7 both times: the most recent occurrence's
+    # continuation, once (a branch per distinct first token)
+    assert [p.tokens for p in got] == [[7, 1, 2]]
+    assert got[0].kinds == [2, 2, 2] and got[0].source == "ngram-simple"
+
+
+def test_ngram_simple_prefers_the_longest_key_and_fills_in_with_shorter_ones():
+    d = NgramSimple(length=2)
+    history = [1, 2, 3, 4, 9, 2, 3, 7, 8, 1, 2, 3]
+    got = d.propose(history, 16)
+    assert got[0].tokens == [4, 9] and got[0].kinds == [3, 3]  # (1, 2, 3) was followed by 4
+    assert [7, 8] in [p.tokens for p in got]  # (2, 3) also by 7: a branch from the shorter key
+    assert all(p.tokens[0] != 4 for p in got[1:])
+
+
+def test_ngram_simple_proposes_nothing_without_a_match_and_keeps_within_the_budget():
+    d = NgramSimple()
+    assert d.propose([1, 2, 3, 4], 16) == []
+    d = NgramSimple(length=10)
+    history = list(range(20)) + [0, 1, 2]
+    got = d.propose(history, 4)
+    assert sum(len(p.tokens) for p in got) <= 4 and got[0].tokens == [3, 4, 5, 6]
+
+
+def test_ngram_simple_indexes_a_growing_history():
+    d = NgramSimple(length=2)
+    history = [1, 2, 3, 4]
+    assert d.propose(history, 8) == []
+    history += [1, 2]
+    assert d.propose(history, 8)[0].tokens == [3, 4]
+    d.reset()
+    assert d.propose([7, 8], 8) == []
+
+
+def test_ngram_map_k_takes_the_continuation_seen_most_often():
+    d = NgramMapK(size=2, length=2)
+    history = [1, 2, 5, 6, 1, 2, 5, 7, 1, 2, 8, 9, 1, 2]
+    got = d.propose(history, 8)
+    assert len(got) == 1 and got[0].tokens == [5, 7]  # 5 followed (1, 2) twice, 8 once; the latest 5 wins
+    assert NgramMapK(size=2, min_hits=3).propose(history, 8) == []
+
+
+def test_recycle_table_holds_the_top_k_of_each_row_the_target_computed():
+    r = Recycle(n_vocab=10, k=3)
+    logits = np.zeros((2, 10), dtype=np.float32)
+    logits[0, [4, 7, 1]] = [3.0, 5.0, 1.0]
+    logits[1, [2, 3, 9]] = [1.0, 2.0, 3.0]
+    r.learn([6, 0], logits)
+    assert r.table[6].tolist() == [7, 4, 1]  # by logit, highest first
+    assert r.table[0].tolist() == [9, 3, 2]
+    assert (r.table[[1, 2, 3, 4, 5, 7, 8, 9]] == -1).all()
+    logits[0] = 0
+    logits[0, [5, 6, 8]] = [1.0, 2.0, 3.0]
+    r.learn([6], logits[:1])  # a later pass overwrites the row
+    assert r.table[6].tolist() == [8, 6, 5]
+    assert r.table_bytes == 10 * 3 * 4
+    assert Recycle(n_vocab=151936, k=8).table_bytes == 151936 * 8 * 4 == drafters.table_bytes(["recycle"], 151936)
+
+
+def test_recycle_draws_a_tree_from_the_table_best_first_under_the_budget():
+    r = Recycle(n_vocab=10, k=2)
+    r.table[1] = [2, 3]
+    r.table[2] = [4, 5]
+    r.table[3] = [6, -1]
+    r.table[4] = [7, 8]
+    got = r.propose([9, 1], 4)  # rank 0 is likelier than rank 1 by the prior: 2, 4, 3, 7 before 5, 6 and 8
+    paths = {tuple(p.tokens) for p in got}
+    assert paths == {(2, 4, 7), (3,)}
+    assert {tuple(p.kinds) for p in got} == {(0, 0, 0), (1,)}
+    assert r.propose([9, 0], 4) == []  # a row the target never computed, nor the history showed
+
+
+def test_recycle_starts_rows_from_the_history_until_the_target_computes_them():
+    r = Recycle(n_vocab=10, k=2)
+    got = r.propose([1, 2, 3, 1], 4)
+    assert [p.tokens for p in got] == [[2, 3, 1, 2]]  # 1 -> 2 -> 3 -> 1, four nodes
+
+
+def test_a_drafter_learns_its_chance_of_acceptance_per_kind():
+    d = NgramSimple()
+    before = d.rate(3)
+    for _ in range(20):
+        d.judge(3, True)
+    assert d.rate(3) > before and d.rate(3) > 0.9
+    for _ in range(40):
+        d.judge(1, False)
+    assert d.rate(1) < 0.05
+
+
+def test_merge_takes_the_most_confident_nodes_with_their_parents_under_the_budget():
+    a, b = NgramSimple(), NgramMapK()
+    a.counts = {3: [9.0, 10.0]}  # 0.9 a token
+    b.counts = {0: [5.0, 10.0]}  # 0.5
+    proposals = [(a, Proposal([1, 2, 3, 4], [3] * 4, a.name)), (b, Proposal([1, 5, 6], [0] * 3, b.name))]
+    paths = drafters.merge(proposals, n_nodes=5, n_leaves=4)
+    got = [[p.token for p in path] for path in paths]
+    # 1 (0.9), 2 (.81), 3 (.73), 4 (.66), then 5 (0.9 * 0.5): the shared first token is one node, of both drafters
+    assert got == [[1, 2, 3, 4], [1, 5]]
+    assert {d.name for d, _ in paths[0][0].origins} == {"ngram-simple", "ngram-map-k"}
+    assert drafters.merge(proposals, n_nodes=10, n_leaves=1) == drafters.merge(proposals, n_nodes=10, n_leaves=1)[:1]
+    assert [[p.token for p in q] for q in drafters.merge(proposals, 10, 1)] == [[1, 2, 3, 4]]
+    # a node must pay for itself: nothing below the minimum confidence
+    assert [[p.token for p in q] for q in drafters.merge(proposals, 10, 4, min_conf=0.7)] == [[1, 2, 3]]
+
+
+def test_spec_types_are_checked():
+    from flexoffload import FlexoffloadError, api
+
+    assert api._free_types(api.Request(spec_type="ngram-simple,recycle")) == ["ngram-simple", "recycle"]
+    assert api._free_types(api.Request(spec_type="auto")) == ["auto"]
+    assert api._free_types(api.Request(spec_type="none")) == []
+    assert api._free_types(api.Request(spec_type="model,recycle", draft="x")) == ["recycle"]
+    for bad in ("ngram-cache", "auto,recycle", "model"):
+        with pytest.raises(FlexoffloadError):
+            api._free_types(api.Request(spec_type=bad))
+
+
+# --- on the native library --------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def peaked(tmp_path_factory):
+    """A synthetic target with peaked next-token distributions (its greedy text repeats, as the tests need), and a
+    shallower draft with its vocabulary."""
+    d = tmp_path_factory.mktemp("freedraft")
+    target = synth.write(d / "target.gguf", seed=3, output_seed=4, output_scale=10)
+    draft = synth.write(d / "draft.gguf", shape=replace(synth.TINY, n_layer=2), seed=3, output_seed=4,
+                        output_scale=10)
+    return target, draft
+
+
+def _alone(path, settings, prompt, n):
+    with engine.Engine(path, settings) as e:
+        return e.generate(prompt, n)
+
+
+@pytest.mark.parametrize("names", [("ngram-simple",), ("ngram-map-k",), ("recycle",),
+                                   ("ngram-simple", "ngram-map-k", "recycle")])
+@pytest.mark.parametrize("strategy", ["mmap", "prefetch"])
+def test_greedy_output_with_free_drafters_equals_the_target_alone(peaked, names, strategy):
+    target = peaked[0]
+    streamed = (r"blk\..*",) if strategy == "prefetch" else ()
+    settings = engine.Settings(n_ctx=256, n_batch=64, temp=0.0, strategy=strategy, streamed_patterns=streamed,
+                               window=1 if streamed else 0)
+    for prompt in ("hello world", "abc abc abc abc", "The quick brown fox"):
+        ref = _alone(target, settings, prompt, 48)
+        got = speculate.run(target, settings, None, Options(), prompt, 48, free_drafters=names)
+        assert got.tokens == ref.tokens, (names, prompt)
+        t = got.timings
+        assert t["tokens_per_pass"] > 1  # the synthetic target's text repeats: the drafters find it
+        assert set(t["drafters"]) <= set(names) and t["drafters"]
+        if strategy == "prefetch":  # one pass over the streamed weights a verification
+            assert t["stream_rereads"] == 0 and t["stream_passes"] == t["n_verify"] + 1
+
+
+@pytest.mark.parametrize("pipeline", [False, True])
+def test_greedy_output_of_a_draft_tree_with_free_drafters_merged_equals_the_target_alone(peaked, pipeline):
+    target, draft = peaked
+    settings = engine.Settings(n_ctx=256, n_batch=64, temp=0.0, strategy="mmap")
+    for prompt in ("hello world", "abc abc abc abc"):
+        ref = _alone(target, settings, prompt, 48)
+        got = speculate.run(target, settings, draft, Options(pipeline=pipeline), prompt, 48,
+                            free_drafters=("ngram-simple", "recycle"))
+        assert got.tokens == ref.tokens, prompt
+        assert "model" in got.timings["drafters"] and "recycle" in got.timings["drafters"]
+
+
+def test_sampled_output_with_free_drafters_is_the_targets_seeded_sampling(peaked):
+    """Sampled, the walk draws each token with the target's sampler: with a seed the text is a valid sample; a
+    free-drafted run with temperature still ends and reports its passes."""
+    target = peaked[0]
+    settings = engine.Settings(n_ctx=256, n_batch=64, temp=0.8, seed=7, strategy="mmap")
+    got = speculate.run(target, settings, None, Options(), "abc abc abc", 32, free_drafters=("recycle",))
+    assert len(got.tokens) == 32 and got.timings["n_verify"] >= 1
+
+
+def test_no_draft_engine_is_loaded_without_a_draft(peaked, monkeypatch):
+    loaded = []
+    real = engine.Engine.__init__
+
+    def counting(self, path, settings, *args, **kwargs):
+        loaded.append(str(path))
+        real(self, path, settings, *args, **kwargs)
+
+    monkeypatch.setattr(speculate.Engine, "__init__", counting)
+    speculate.run(peaked[0], engine.Settings(n_ctx=256, n_batch=64, temp=0.0), None, Options(), "abc abc", 8,
+                  free_drafters=("ngram-simple",))
+    assert loaded == [str(peaked[0])]
+
+
+def test_run_spec_type_reports_tokens_per_pass_and_acceptance_per_drafter(peaked):
+    common = ("run", "-m", str(peaked[0]), "-p", "abc abc abc abc", "-n", "32", "--temp", "0", "-c", "256", "-b",
+              "64", "--json")
+    alone = json.loads(cli(*common, "--spec-type", "none", check=True).stdout)
+    free = json.loads(cli(*common, "--spec-type", "ngram-simple,recycle", check=True).stdout)
+    assert free["tokens"] == alone["tokens"]
+    assert free["spec"]["types"] == ["ngram-simple", "recycle"] and free["timings"]["tokens_per_pass"] > 1
+    assert set(free["timings"]["drafters"]) <= {"ngram-simple", "recycle"}
+    assert "spec" not in alone
+    r = cli(*common, "--spec-type", "model")
+    assert r.returncode != 0 and "-md" in r.stderr and "Traceback" not in r.stderr
+
+
+# --- on the real model ------------------------------------------------------------------------------------------
+
+def test_real_edit_prompt_ngram_simple_is_lossless_and_takes_several_tokens_a_pass(real_model):
+    """An edit prompt repeats its input: prompt lookup must find it (more than a token a pass), and the greedy
+    tokens stay the target's own."""
+    _, prompt = edit.prompts("tuning", 2)[1]
+    settings = engine.Settings(n_ctx=1024, n_batch=512, temp=0.0, strategy="mmap")
+    ref = _alone(real_model, settings, prompt, 40)
+    for names in (("ngram-simple",), ("recycle",)):
+        got = speculate.run(real_model, settings, None, Options(), prompt, 40, free_drafters=names)
+        assert got.tokens == ref.tokens, names
+        if names == ("ngram-simple",):
+            assert got.timings["tokens_per_pass"] > 1.5
+            assert got.timings["drafters"]["ngram-simple"]["n_accepted"] > 0
