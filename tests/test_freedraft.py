@@ -239,3 +239,28 @@ def test_real_edit_prompt_ngram_simple_is_lossless_and_takes_several_tokens_a_pa
         if names == ("ngram-simple",):
             assert got.timings["tokens_per_pass"] > 1.5
             assert got.timings["drafters"]["ngram-simple"]["n_accepted"] > 0
+
+
+def test_the_plan_counts_the_free_drafters_rows_and_table(tiny_model):
+    from flexoffload import api
+    from flexoffload.runtime import speculate as spec
+
+    base = dict(model=str(tiny_model), prompt="a b c", n_predict=4, temp=0, n_ctx=256, mem="300M", strategy="stream")
+    free = api.prepare(api.Request(**base, spec_type="recycle"))
+    assert free.request.spec_type == "recycle" and free.draft_bytes == drafters.table_bytes(["recycle"], 384) > 0
+    assert free.plan is not None and free.plan.budget == api.prepare(api.Request(**base)).plan.budget
+    # decided in the parent, the child (an enforced run) prepares the same request again, not deciding anew
+    assert api.prepare(free.request).request.spec_type == "recycle"
+    assert spec.FREE_NODES_MAX >= spec.FREE_NODES
+    # nothing streams for this tiny model under 300M: auto runs the target alone
+    assert api.prepare(api.Request(**base, spec_type="auto")).request.spec_type == "none"
+
+
+def test_real_auto_speculates_where_the_plan_streams_and_not_without_a_budget(real_model):
+    from flexoffload import api
+
+    _, prompt = edit.prompts("tuning", 1)[0]
+    tight = api.prepare(api.Request(model=str(real_model), prompt=prompt, temp=0, mem="0.4x", spec_type="auto"))
+    assert tight.request.spec_type == ",".join(api.FREE_AUTO) and tight.plan is not None
+    assert tight.draft_bytes == drafters.table_bytes(["recycle"], tight.model.n_vocab) > 4 << 20
+    assert api.prepare(api.Request(model=str(real_model), prompt=prompt, spec_type="auto")).request.spec_type == "none"
