@@ -223,9 +223,9 @@ class Tree:
         """Whether a pass's nodes hold a side branch (the root aside)."""
         return any(n is not self.root and n is not n.parent.children[0] for n in nodes)
 
-    def matched(self, last: Node) -> int:
-        """The nodes the target checked on the most matching branch (the deepest through last), root excluded:
-        LLMCad eq. 3's n_all."""
-        deepest = max((b.leaf for b in self.branches if last in self.path(b.leaf)), key=lambda n: n.pos,
-                      default=last)
+    def matched(self, last: Node, branches: list[Branch] | None = None) -> int:
+        """The nodes the target checked on the most matching branch (the deepest through last; of branches, by
+        default all), root excluded: LLMCad eq. 3's n_all."""
+        deepest = max((b.leaf for b in (self.branches if branches is None else branches)
+                       if last in self.path(b.leaf)), key=lambda n: n.pos, default=last)
         return sum(1 for n in self.path(deepest)[1:] if n.in_pass)

@@ -87,6 +87,11 @@ class _Batch:
             self.batch = None
 
 
+def _by_model(node: Node) -> bool:
+    """Whether the draft model drafted the node (a free drafter may have proposed it too)."""
+    return any(d is None for d, _ in node.origins)
+
+
 def _softmax(logits: np.ndarray) -> np.ndarray:
     e = np.exp(logits - logits.max())
     return e / e.sum()
@@ -319,12 +324,17 @@ class Speculator:
         c.stats.n_accepted += accepted
         c.stats.n_emitted += len(out)
         self._judge(nodes, last)
-        n_all = tree.matched(last)
-        if self.draft is not None and self.options.adaptive and n_all:  # LLMCad eq. 3 over the most matching branch
-            c.alpha = next_alpha(c.alpha, accepted, n_all)
-        if self.draft is not None and self.options.adaptive_split and self.options.tree:
-            c.threshold = next_threshold(c.threshold, tree.took_branch(last), tree.had_branch(nodes),
-                                         accepted >= n_all)
+        if self.draft is not None:  # the draft's thresholds adapt to what the target made of the draft's own nodes
+            path = tree.path(last)
+            k = next((i for i, n in enumerate(path) if i and not _by_model(n)), len(path))
+            last_model, accepted_model = path[k - 1], k - 1
+            n_all = tree.matched(last_model, [b for b in tree.branches if b.seq >= 0])
+            if self.options.adaptive and n_all:  # LLMCad eq. 3 over the most matching branch
+                c.alpha = next_alpha(c.alpha, accepted_model, n_all)
+            if self.options.adaptive_split and self.options.tree:
+                c.threshold = next_threshold(c.threshold, tree.took_branch(last_model),
+                                             tree.had_branch([n for n in nodes if _by_model(n)]),
+                                             accepted_model >= n_all)
         if not ended:
             self._keep(last, out[-1])
         return out, ended
