@@ -10,6 +10,7 @@ drafter, the tree's mean size, the predicted speed (the plan's one-token pass, p
 cost model's share of a token's compute, over the measured tokens per pass), greedy equality and the peak.
 
     .venv/bin/python scripts/bench_freedraft.py --budgets 0.4x,0.6x --limit 8 -n 128
+    .venv/bin/python scripts/bench_freedraft.py --budgets 0.8x --systems alone,md,md+ngram-simple --limit 8
 """
 
 from __future__ import annotations
@@ -42,7 +43,13 @@ FLEX = {  # system -> run's --spec-type
     "recycle": "recycle",
     "ngram-simple+recycle": "ngram-simple,recycle",
     "auto": "auto",
+    "md": "none",  # -md DRAFT: today's model-only tree (--draft-always)
+    "md+ngram-simple": "model,ngram-simple",  # the merged tree
+    "md+recycle": "model,ngram-simple,recycle",
 }
+WITH_DRAFT = ("md", "md+ngram-simple", "md+recycle")
+DEFAULT_SYSTEMS = ("alone", "ngram-simple", "ngram-map-k", "recycle", "ngram-simple+recycle", "auto") + (
+    "llama-ngram-simple", "llama-ngram-map-k", "llama-ngram-mod")
 LLAMA = ("llama-ngram-simple", "llama-ngram-map-k", "llama-ngram-mod")  # llama-server --spec-type ngram-*
 DRAFTERS = ("model", "ngram-simple", "ngram-map-k", "recycle")
 
@@ -95,6 +102,8 @@ def prompt_sets(kinds: list[str], limit: int) -> list[tuple[str, str, str]]:
 def run_flex(a, budget: str, system: str, text: str) -> dict:
     args = ["-m", a.model, "-p", text, "-n", str(a.n), "-c", str(a.ctx), "-b", str(a.batch), "--temp", "0",
             "-t", str(a.threads), "--mem", budget, "--spec-type", FLEX[system], "--json"]
+    if system in WITH_DRAFT:
+        args += ["-md", a.draft, "--draft-always"]
     prepared = api.prepare(request_from_args(args))
     budgets.drop_page_cache()
     return api.run_in_cgroup(prepared, prepared.limit, timeout=a.timeout)
@@ -200,8 +209,9 @@ def main() -> None:
     ap.add_argument("-m", "--model", default="qwen2.5-coder-1.5b-instruct")
     ap.add_argument("--budgets", default="0.4x,0.6x")
     ap.add_argument("--kinds", default="code,plain,edit")
-    ap.add_argument("--systems", default=",".join(list(FLEX) + list(LLAMA)),
-                    help=f"of {', '.join(list(FLEX) + list(LLAMA))}")
+    ap.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS),
+                    help=f"of {', '.join(list(FLEX) + list(LLAMA))} (md*: with -md, for 0.8x)")
+    ap.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct", help="the md systems' draft model")
     ap.add_argument("--limit", type=int, default=8, help="prompts of each kind (code: spread over HumanEval 40-163)")
     ap.add_argument("-n", type=int, default=128, help="tokens to generate")
     ap.add_argument("-c", "--ctx", type=int, default=2048)
