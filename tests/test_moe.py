@@ -1,7 +1,7 @@
-"""Mixtures of experts, synthetic (random weights route uniformly; real shapes): written as llama.cpp loads them,
-read with their experts as a kind of their own, refused in one line where header and tensors disagree, and run
-under a budget whose mmap minimum counts one token's routed experts; expert tensors stream by expert (patches
-0018-0019) with a per-layer cache whose size the plan chooses (issue 28)."""
+"""Mixtures of experts, synthetic (random weights, real shapes; their routing is not uniform: docs/experts.md):
+written as llama.cpp loads them, read with their experts as a kind of their own, refused in one line where header
+and tensors disagree, and run under a budget whose mmap minimum counts one token's routed experts; expert tensors
+stream by expert (patches 0018-0019) with a per-layer cache whose size the plan chooses (issue 28)."""
 
 import dataclasses
 import json

@@ -1,10 +1,12 @@
 """Synthetic GGUF models of any shape, written with the gguf package: random weights, real shapes.
 
-Their text is noise, their timing is real. Five architectures as llama.cpp loads them: llama, qwen2 (q/k/v
-biases), gemma3 (tied embeddings, q/k norms, post-attention and post-FFN norms, sliding-window layers), phi3
-(fused attn_qkv, gate and up fused in ffn_up), and two mixtures of experts: llama with experts (Mixtral's layout:
-a router, ffn_gate_inp, and ffn_{gate,up,down}_exps, one contiguous slice per expert) and qwen3moe (q/k norms,
-many small experts of their own width). Random weights route uniformly: the worst case for an expert cache. Every one gets the same small SentencePiece-style vocabulary (byte
+Their text is noise, their timing is real. Five architectures as llama.cpp loads them: llama, qwen2 (q/k/v biases),
+gemma3 (tied embeddings, q/k norms, post-attention and post-FFN norms, sliding-window layers), phi3 (fused attn_qkv,
+gate and up fused in ffn_up), and two mixtures of experts: llama with experts (Mixtral's layout: a router,
+ffn_gate_inp, and ffn_{gate,up,down}_exps, one contiguous slice per expert) and qwen3moe (q/k norms, many small
+experts of their own width). Random weights do not route uniformly: as measured (docs/experts.md), after the first
+layers nearly every token goes to the same 4-11 experts, so a small expert cache hits almost always and these files
+show a cache near its best case, not its worst. Every one gets the same small SentencePiece-style vocabulary (byte
 tokens plus filler pieces), so llama.cpp loads, tokenizes and generates with it; the output weights of the control
 and byte tokens are zero (token_embd's rows where the embeddings are tied), so greedy text is whole pieces, valid
 UTF-8. Tensor data is written one tensor at a time, so a 7B-shaped file never has to fit in memory.
