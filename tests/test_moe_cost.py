@@ -124,7 +124,7 @@ def test_the_profile_times_bursts_of_a_layer_s_expert_slices(moe):
         start = t.offset + 5 * slice_bytes
         assert offset % 4096 == 0 and length % 4096 == 0
         assert offset <= start and start + slice_bytes <= offset + length < start + slice_bytes + 2 * 4096
-    r = profiler.expert_reads(moe, io_threads=2, seconds=0.2, max_bursts=3)
+    r = profiler.expert_reads(moe, io_threads=2, seconds=60, max_bursts=3)  # three rounds, however slow
     one = {sum(n for _, n in profiler.unit_requests(moe, il, e)) for il in range(s.n_layer) for e in range(8)}
     assert len(r.bursts) == 3 * 2
     for units, (n_bytes, seconds) in zip([1, 2] * 3, r.bursts):
@@ -137,3 +137,14 @@ def test_a_moe_s_profile_is_kept_apart_from_profiles_without_burst_reads(moe, ti
     assert profiler._cache_path(load(tiny_model), 2).name.endswith("-v5.json")
     old = Profile.from_dict({k: v for k, v in SLICES.to_dict().items() if not k.startswith("expert_")})
     assert old.expert_read_bw == 0 and old.expert_read_seconds(1000, 1, 4) == BIG.expert_read_seconds(1000, 1, 4)
+
+
+def test_a_moe_run_s_reads_do_not_set_the_disk_speed_dense_plans_use(tmp_path):
+    path = tmp_path / "model.gguf"
+    path.write_bytes(b"\0" * 4096)
+    timings = {"stream_bytes_read": 2 << 30, "stream_direct": 900, "stream_reads": 900, "stream_read_gb_s": 0.7,
+               "stream_stall_s": 2.0}
+    profiler.record_run(path, {**timings, "expert_uses": 4000})
+    assert profiler.seen_disk_bw(path) == []
+    profiler.record_run(path, timings)  # the same reads without experts: a pass's, the disk set the pace
+    assert profiler.seen_disk_bw(path) == [pytest.approx(0.7e9)]

@@ -328,7 +328,9 @@ def record_run(path, timings: dict, typical: bool = True) -> None:
     bytes over its time raise the best (the roofline's ceiling), and where the disk set the pace, they join the
     runs plans predict with (typical_disk_bw) unless typical is False: a speculative run's disk also waits while
     the draft drafts, and a run that does not read ahead (window 0) waits on each read in turn, so their bytes over
-    their time say less than the disk can."""
+    their time say less than the disk can. Nor does a mixture of experts' run (expert_uses): its expert slices are
+    read in bursts after each router, which this disk serves at a third to half of a pass's speed (docs/moe.md)."""
+    typical = typical and not timings.get("expert_uses")
     if timings.get("stream_bytes_read", 0) < SUSTAINED_BYTES or timings["stream_direct"] != timings["stream_reads"]:
         return
     bytes_per_s = timings["stream_read_gb_s"] * 1e9
