@@ -144,7 +144,9 @@ def test_a_moe_run_s_reads_do_not_set_the_disk_speed_dense_plans_use(tmp_path):
     path.write_bytes(b"\0" * 4096)
     timings = {"stream_bytes_read": 2 << 30, "stream_direct": 900, "stream_reads": 900, "stream_read_gb_s": 0.7,
                "stream_stall_s": 2.0}
+    before = profiler.seen_disk_bw(path)  # per device: other tests' runs on this disk may be there already
     profiler.record_run(path, {**timings, "expert_uses": 4000})
-    assert profiler.seen_disk_bw(path) == []
+    assert profiler.seen_disk_bw(path) == before
     profiler.record_run(path, timings)  # the same reads without experts: a pass's, the disk set the pace
-    assert profiler.seen_disk_bw(path) == [pytest.approx(0.7e9)]
+    assert profiler.seen_disk_bw(path)[-1] == pytest.approx(0.7e9)
+    assert len(profiler.seen_disk_bw(path)) in (len(before) + 1, len(before))  # a bounded list drops its oldest
