@@ -358,16 +358,16 @@ def plan_for_run(model, r: Request, limit: int | None, n_outputs: int = 1, n_seq
         budget = limit if limit is not None else 4 * model.file_size + (1 << 30)
         return make_plan(model, budget, policy, profiler.measure(model, r.n_threads), window=window,
                          io_threads=r.io_threads or IO_THREADS, slots=r.expert_slots,
-                         hit_rate=expert_hit_rate(model), **stepmem.run_costs(model, setting, budget))
+                         misses=expert_misses(model), **stepmem.run_costs(model, setting, budget))
     budget = limit if limit is not None else 4 * model.file_size + (1 << 30)
     run = footprint.measure(model, r.n_ctx, r.n_batch, n_outputs, n_seq_max)
     check_budget(model, budget, run, window, draft)  # a budget too small is refused before the profile runs
     return plan_budget(model, budget, policy, profiler.measure(model, r.n_threads), run, window=window,
                        io_threads=r.io_threads or IO_THREADS, draft=draft, slots=r.expert_slots,
-                       hit_rate=expert_hit_rate(model))
+                       misses=expert_misses(model))
 
 
-def expert_hit_rate(model):
+def expert_misses(model):
     """A mixture of experts' misses by slots (plan.experts.Misses) from its measured routing (`profile --experts`),
     replayed through the runtime's LRU cache; None where none was measured (the planner then assumes uniform
     routing, which random weights do not show: they send nearly every token to the same few experts)."""
@@ -577,7 +577,7 @@ def prepare(request: Request, n_seq_max: int = 1) -> Prepared:
     from flexoffload.runtime import drafters
 
     free = _free_types(r)
-    r.spec_type = ",".join(["model"] + (list(FREE_AUTO_MD) if free == ["auto"] else free))
+    r = replace(r, spec_type=",".join(["model"] + (list(FREE_AUTO_MD) if free == ["auto"] else free)))
     # the free drafters' tables come out of the budget with the draft
     draft_bytes = _draft_bytes(draft_model, r) + drafters.table_bytes(free, model.n_vocab)
     n_outputs = _tree_outputs(r)

@@ -16,7 +16,6 @@ cost model's share of a token's compute, over the measured tokens per pass), gre
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
 import signal
@@ -25,11 +24,12 @@ import subprocess
 import sys
 import time
 import urllib.request
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench_spec import write_csv  # noqa: E402  (scripts/, this script's folder)
 from flexoffload import FlexoffloadError, api  # noqa: E402
 from flexoffload.cli import request_from_args  # noqa: E402
 from flexoffload.gguf import models as catalog  # noqa: E402
@@ -194,16 +194,6 @@ def llama_row(row: Row, out: dict) -> None:
     row.strategy = "llama-server"
 
 
-def write_csv(rows: list[Row], path: Path) -> None:
-    tmp = path.with_suffix(".csv.tmp")
-    with open(tmp, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=[fl.name for fl in fields(Row)])
-        w.writeheader()
-        for r in rows:
-            w.writerow({k: (round(v, 4) if isinstance(v, float) else v) for k, v in asdict(r).items()})
-    tmp.replace(path)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("-m", "--model", default="qwen2.5-coder-1.5b-instruct")
@@ -244,7 +234,7 @@ def main() -> None:
                 except FlexoffloadError as e:
                     for kind, name, _ in prompts:
                         rows.append(Row(budget, kind, name, system, error=str(e)))
-                    write_csv(rows, a.out)
+                    write_csv(rows, a.out, Row)
                     continue
             try:
                 for kind, name, text in prompts:
@@ -267,7 +257,7 @@ def main() -> None:
                     if tokens is not None and ref is not None:
                         row.matches_target = "yes" if list(tokens)[:len(ref)] == ref else "no"
                     rows.append(row)
-                    write_csv(rows, a.out)
+                    write_csv(rows, a.out, Row)
                     print(f"{budget} {system} {name}: {row.decode_tok_s:.2f} tok/s, {row.tokens_per_pass:.2f} a pass, "
                           f"same {row.matches_target or '-'} {row.error}", file=sys.stderr, flush=True)
             finally:

@@ -189,10 +189,11 @@ def mark_matches(rows: list[Row], outputs: list[dict | None]) -> None:
         row.matches_target = "" if out is None or ref is None else ("yes" if same_output(out, ref) else "no")
 
 
-def write_csv(rows: list[Row], path: Path) -> None:
+def write_csv(rows: list, path: Path, row_type: type = None) -> None:
+    """rows (dataclasses of row_type, Row by default) as a CSV, replaced whole (never half written)."""
     tmp = path.with_suffix(".csv.tmp")
     with open(tmp, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=[fl.name for fl in fields(Row)])
+        w = csv.DictWriter(f, fieldnames=[fl.name for fl in fields(row_type or Row)])
         w.writeheader()
         for r in rows:
             w.writerow({k: (round(v, 4) if isinstance(v, float) else v) for k, v in asdict(r).items()})

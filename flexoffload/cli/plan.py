@@ -221,7 +221,7 @@ def plan(model_spec, mem, policy, rpc, placement, ctx_size, batch_size, threads,
         from flexoffload import api
 
         p = plan_budget(model, budget, policy, profile, run, window=window, io_threads=io_threads,
-                        hit_rate=api.expert_hit_rate(model))
+                        misses=api.expert_misses(model))
     plans.write(p, out_dir)
     if as_json:
         click.echo(json.dumps(p.to_dict()))

@@ -77,6 +77,15 @@ def huge_buffer(n: int) -> memoryview:
     return view
 
 
+def open_direct(path) -> tuple[int, bool]:
+    """path opened for O_DIRECT reads, as the runtime reads, and whether it is: a file system without O_DIRECT
+    (tmpfs) gives buffered reads, page cache and all."""
+    try:
+        return os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0)), True
+    except OSError:
+        return os.open(path, os.O_RDONLY), False
+
+
 def disk_speed(model: Model, max_bytes: int = 768 << 20, io_threads: int = IO_THREADS, passes: int = 3) -> DiskSpeed:
     """O_DIRECT bandwidth as the streaming runtime sees it: its requests (a tensor or a chunk each, see
     pass_requests), io_threads in flight, the same bytes read again pass after pass as every decoded token does;
@@ -91,11 +100,7 @@ def disk_speed(model: Model, max_bytes: int = 768 << 20, io_threads: int = IO_TH
     requests = pass_requests(model, max_bytes)
     if not requests:
         raise FlexoffloadError(f"cannot measure disk speed on {model.path}: no tensor to read")
-    direct = True
-    try:
-        fd = os.open(model.path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
-    except OSError:  # a file system without O_DIRECT (tmpfs): buffered reads, page cache and all
-        fd, direct = os.open(model.path, os.O_RDONLY), False
+    fd, direct = open_direct(model.path)
     try:
         largest = max(n for _, n in requests)
         buffers = [huge_buffer(largest) for _ in range(io_threads)]
@@ -174,11 +179,7 @@ def expert_reads(model: Model, io_threads: int = IO_THREADS, seconds: float = 3.
         raise FlexoffloadError(f"{model.path.name} is not a mixture of experts")
     rng = random.Random(seed)
     sizes = burst_sizes(model)
-    direct = True
-    try:
-        fd = os.open(model.path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
-    except OSError:
-        fd, direct = os.open(model.path, os.O_RDONLY), False
+    fd, direct = open_direct(model.path)
     try:
         largest = max(n for il in layers for _, n in unit_requests(model, il, 0)) + ALIGN
         most = -(-max(len(unit_requests(model, il, 0)) for il in layers) * sizes[-1] // io_threads)  # a thread's

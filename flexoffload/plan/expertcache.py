@@ -20,7 +20,7 @@ from flexoffload.gguf.model import Model
 from flexoffload.plan import experts
 from flexoffload.plan.costmodel import Profile
 
-HitRate = Callable[[int], experts.Misses]  # slots per layer -> what a cache of that many misses, by layer
+MissesBySlots = Callable[[int], experts.Misses]  # slots per layer -> what a cache of that many misses, by layer
 
 
 def dense(model: Model) -> Model:
@@ -42,16 +42,16 @@ def memory(model: Model, slots: int, ubatch: int | None = None) -> int:
     return sum(slots * u for u in units) + max((max(used - slots, 0) * u for u in units), default=0)
 
 
-def uniform(model: Model) -> HitRate:
+def uniform(model: Model) -> MissesBySlots:
     """Routing spread evenly over the experts (experts.Misses.uniform), where no routing trace was measured. Not
     what random weights do: they send nearly every token to the same few experts (docs/experts.md), so a plan
     predicts fewer hits than such a model gets."""
     return lambda slots: experts.Misses.uniform(model, slots)
 
 
-def cost(model: Model, slots: int, profile: Profile, hit_rate: HitRate, io_threads: int) -> experts.Cost:
-    """What experts add to a decoded token's time with `slots` a layer: experts.cost of the misses hit_rate gives."""
-    return experts.cost(model, slots, hit_rate(slots), profile, io_threads)
+def cost(model: Model, slots: int, profile: Profile, misses: MissesBySlots, io_threads: int) -> experts.Cost:
+    """What experts add to a decoded token's time with `slots` a layer: experts.cost of the misses `misses` gives."""
+    return experts.cost(model, slots, misses(slots), profile, io_threads)
 
 
 def candidates(model: Model) -> list[int]:

@@ -214,7 +214,7 @@ def minimum_budget(model: Model, window: int | None = None, kv_cache: int = 0, c
 
 def make_plan(model: Model, budget: int, policy: str, profile: Profile, window: int | None = None,
               io_threads: int = IO_THREADS, kv_cache: int = 0, compute: int = 0, overhead: int = 0,
-              code: int = 0, slots: int | None = None, hit_rate: expertcache.HitRate | None = None) -> Plan:
+              code: int = 0, slots: int | None = None, misses: expertcache.MissesBySlots | None = None) -> Plan:
     """Plan a whole-process budget: resident weights + window + KV cache + compute buffers + overhead + code.
 
     window None: the one of AUTO_WINDOWS the cost model predicts fastest for this policy and budget. A deeper
@@ -225,7 +225,7 @@ def make_plan(model: Model, budget: int, policy: str, profile: Profile, window: 
         raise FlexoffloadError(f"unknown policy {policy!r}: one of {', '.join(POLICIES)}")
     if model.n_expert:
         return _moe_plan(model, budget, policy, profile, window, io_threads, kv_cache, compute, overhead, code,
-                         slots, hit_rate)
+                         slots, misses)
     windows = AUTO_WINDOWS if window is None else (window,)
     refuse_below(model, budget, min(minimum_budget(model, w, kv_cache, compute, overhead, code) for w in windows),
                  min(windows))
@@ -255,13 +255,13 @@ def make_plan(model: Model, budget: int, policy: str, profile: Profile, window: 
 
 def _moe_plan(model: Model, budget: int, policy: str, profile: Profile, window: int | None, io_threads: int,
               kv_cache: int, compute: int, overhead: int, code: int, slots: int | None,
-              hit_rate: expertcache.HitRate | None) -> Plan:
+              misses: expertcache.MissesBySlots | None) -> Plan:
     """A mixture of experts: the dense tensors planned as a dense model's in what the expert cache leaves, for each
     slot count (slots None: the candidates), the fastest predicted. Expert tensors all stream, by expert."""
     windows = AUTO_WINDOWS if window is None else (window,)
     refuse_below(model, budget, min(minimum_budget(model, w, kv_cache, compute, overhead, code) for w in windows),
                  min(windows))
-    hit_rate = hit_rate or expertcache.uniform(model)
+    misses = misses or expertcache.uniform(model)
     base_model = expertcache.dense(model)
     best = None
     for s in ([slots] if slots is not None else expertcache.candidates(model)):
@@ -270,7 +270,7 @@ def _moe_plan(model: Model, budget: int, policy: str, profile: Profile, window: 
         if rest < min(minimum_budget(base_model, w, kv_cache, compute, overhead, code) for w in windows):
             continue
         p = make_plan(base_model, rest, policy, profile, window, io_threads, kv_cache, compute, overhead, code)
-        c = expertcache.cost(model, s, profile, hit_rate, io_threads)
+        c = expertcache.cost(model, s, profile, misses, io_threads)
         seconds = 1.0 / p.predicted_tok_s + c.seconds
         if best is None or seconds < best[0]:
             best = seconds, p, c, experts
@@ -306,13 +306,13 @@ def ceiling(profile: Profile) -> Profile:
 
 def plan_budget(model: Model, budget: int, policy: str, profile: Profile, run: Footprint,
                 window: int | None = None, io_threads: int = IO_THREADS, draft: int = 0, slots: int | None = None,
-                hit_rate: expertcache.HitRate | None = None) -> Plan:
+                misses: expertcache.MissesBySlots | None = None) -> Plan:
     """make_plan with what a run takes beside the weights at its settings, run (the Footprint llama.cpp reports and
     the probe measures: measure.footprint); draft is what a resident draft model takes (resident_bytes), counted
     with the overhead."""
     check_budget(model, budget, run, window, draft)
     return make_plan(model, budget, policy, profile, window=window, io_threads=io_threads, slots=slots,
-                     hit_rate=hit_rate, **costs(run, draft, budget))
+                     misses=misses, **costs(run, draft, budget))
 
 
 def check_budget(model: Model, budget: int, run: Footprint, window: int | None = None, draft: int = 0) -> None:
