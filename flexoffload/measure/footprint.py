@@ -34,7 +34,9 @@ from flexoffload.memory.footprint import Footprint
 
 # The probe's process is a run's: it loads what an enforced run's child (`python -m flexoffload.api`) has loaded by
 # the time llama.cpp loads the model (by name, as `python -m` does), so the runtime it measures is a run's.
-RUN_MODULES = ("flexoffload.api", "flexoffload.plan.planners", "flexoffload.measure.profile", "flexoffload.plan.plan")
+RUN_MODULES = ("flexoffload.api", "flexoffload.plan.planners", "flexoffload.measure.profile", "flexoffload.plan.plan",
+               "flexoffload.runtime.drafters")  # (v4: the drafters, which a run's request check reads)
+PYTHON_ARENA = 1 << 20  # obmalloc's arena (Python 3.10 on)
 
 # "llama_kv_cache:        CPU KV buffer size =    28.00 MiB" (one line per cache: an ISWA model has two),
 # "llama_context:        CPU compute buffer size =    67.01 MiB", "llama_context:        CPU  output buffer size = ..."
@@ -50,7 +52,7 @@ _SIZES = {
 
 
 def _cache_path(model, n_ctx: int, n_batch: int, n_outputs: int, n_seq_max: int) -> Path:
-    key = f"{file_key(model.path)}-c{n_ctx}-b{n_batch}-o{n_outputs}-s{n_seq_max}-v3"
+    key = f"{file_key(model.path)}-c{n_ctx}-b{n_batch}-o{n_outputs}-s{n_seq_max}-v4"
     return cache_dir() / "footprints" / f"{key}.json"
 
 
@@ -110,7 +112,9 @@ def probe(model_path: str, n_ctx: int, n_batch: int, n_outputs: int, n_seq_max: 
     lib = engine.llama_cpp()
     log = engine._Log(lib, verbose=False, keep=None)
     load(model_path)  # a run reads the model's header in Python first (its tensors, for the plan)
-    runtime = status_bytes("RssAnon")  # resident anonymous memory
+    # resident anonymous memory, and what a run's Python allocates after loading (tokens, timings, its result):
+    # one more of Python's 1 MiB object arenas (a synthetic qwen2-tiny run's peak rose 0.85 MiB in 1 of 4 runs)
+    runtime = status_bytes("RssAnon") + PYTHON_ARENA
     settings = engine.Settings(n_ctx=n_ctx, n_batch=n_batch, n_threads=1, strategy="stream",
                                streamed_patterns=(".*",), window=0, io_threads=1, n_outputs=n_outputs,
                                n_seq_max=n_seq_max)
