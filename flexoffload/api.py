@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from flexoffload import FlexoffloadError
-from flexoffload.defaults import IO_THREADS, STRATEGIES, WINDOW
+from flexoffload.defaults import IO_THREADS, STRATEGIES, WINDOW, cache_dir, file_key
 from flexoffload.gguf import models as catalog
 from flexoffload.measure import footprint
 from flexoffload.measure import tune as tuning
@@ -237,6 +237,13 @@ def _kv_quantized(r: Request) -> bool:
 FREE_AUTO = ("ngram-simple", "recycle")  # --spec-type auto's free drafters where they pay, without -md
 FREE_AUTO_MD = ("ngram-simple",)  # and beside a draft model (its n-grams cost no draft time, no table)
 FREE_PAYS = 1.5  # auto without -md: speculate where a target pass takes this many times its compute or more
+
+
+def recycle_store(model) -> Path:
+    """Where Token Recycling's table for this model file outlives a run (about 5 MB: n_vocab x 8 ids)."""
+    from flexoffload.runtime import drafters
+
+    return cache_dir() / "recycle" / f"{file_key(model.path)}-k{drafters.RECYCLE_K}.npz"
 
 
 def _free_types(r: Request) -> list[str]:
@@ -468,7 +475,6 @@ def _plan_model(r: Request) -> tuple[Path, Path] | None:
 def _precision_plan(r: Request, model, limit: int):
     """run --precision auto: the plan mixed.py chooses (quality not measured again: plan --precision reports it),
     written to the cache; the request then runs the requantized file by it."""
-    from flexoffload.defaults import cache_dir
     from flexoffload.gguf.model import load
     from flexoffload.measure import mixed
     from flexoffload.measure import profile as profiler
@@ -686,20 +692,26 @@ def run_prepared(p: Prepared, on_text=None, read_line=None, note=None) -> dict:
     elif p.draft_model is not None or _free_types(r) not in ([], ["auto"]):
         from flexoffload.runtime import spectree, speculate
 
-        node_s = 0.0
+        node_s, free_nodes = 0.0, 0
         if plan is not None:  # what a node adds to a pass: the cost model's share of a token's compute
             from flexoffload.measure import profile as profiler
             from flexoffload.plan.costmodel import compute_seconds
 
-            node_s = spectree.VERIFY_SHARE * compute_seconds(model, profiler.measure(model, r.n_threads))
+            token_s = compute_seconds(model, profiler.measure(model, r.n_threads))
+            node_s = spectree.VERIFY_SHARE * token_s
+            # a streamed pass waits for its reads: the nodes whose compute fits in that wait cost nothing
+            free_nodes = int(max(1 / plan.predicted_tok_s - token_s, 0) / node_s) if plan.predicted_tok_s else 0
         spec = spectree.Options(tree=r.spec == "tree", pacer=r.pacer, adaptive=r.adaptive,
                                  adaptive_split=r.adaptive_split, pipeline=r.pipeline,
-                                 threshold=r.draft_p_split, max_nodes=r.draft_max, node_s=node_s)
+                                 threshold=r.draft_p_split, max_nodes=r.draft_max, node_s=node_s,
+                                 free_nodes=free_nodes)
         free = tuple(_free_types(r))
-        result = speculate.run(r.model, settings, r.draft, spec, r.prompt, r.n_predict, on_text, free).to_dict()
+        store = recycle_store(model) if "recycle" in free else None
+        result = speculate.run(r.model, settings, r.draft, spec, r.prompt, r.n_predict, on_text, free,
+                               store).to_dict()
         if r.draft:
             result["draft"] = {"path": r.draft, "resident_mb": p.draft_bytes / MiB}
-        result["spec"] = {"types": r.spec_type.split(","), "node_s": node_s,
+        result["spec"] = {"types": r.spec_type.split(","), "node_s": node_s, "free_nodes": free_nodes,
                           "table_mb": result["timings"].get("free_table_bytes", 0) / MiB}
     else:
         with engine.Engine(r.model, settings) as eng:

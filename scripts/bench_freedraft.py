@@ -99,6 +99,24 @@ def prompt_sets(kinds: list[str], limit: int) -> list[tuple[str, str, str]]:
     return out
 
 
+def warm_table(a) -> int:
+    """Token Recycling's table (kept between runs, api.recycle_store) made afresh from the tuning prompts only
+    (HumanEval 0-39, plain.py's and edit.py's tuning sets): resident runs (the same logits, faster), greedy. The
+    measured runs then learn on, in the bench's order, as a user's table would. Returns the prompts run."""
+    from flexoffload.gguf.model import load
+
+    api.recycle_store(load(a.model)).unlink(missing_ok=True)
+    count = a.warm
+    tuning = ([t for _, t in humaneval.prompts(humaneval.tuning_ids(count))] +
+              [t for _, t in plain.prompts("tuning", min(count, len(plain.TUNING)))] +
+              [t for _, t in edit.prompts("tuning", min(count, edit.COUNT))])
+    for text in tuning:
+        args = ["-m", a.model, "-p", text, "-n", str(a.n), "-c", str(a.ctx), "-b", str(a.batch), "--temp", "0",
+                "-t", str(a.threads), "--spec-type", "recycle", "--json"]
+        api.run_in_cgroup(api.prepare(request_from_args(args)), None, timeout=a.timeout)
+    return len(tuning)
+
+
 def run_flex(a, budget: str, system: str, text: str) -> dict:
     args = ["-m", a.model, "-p", text, "-n", str(a.n), "-c", str(a.ctx), "-b", str(a.batch), "--temp", "0",
             "-t", str(a.threads), "--mem", budget, "--spec-type", FLEX[system], "--json"]
@@ -122,9 +140,10 @@ def flex_row(row: Row, result: dict) -> None:
         setattr(row, "acc_" + name.replace("-", "_"), f"{d['n_accepted']}/{d['n_drafted']}")
     plan = result.get("plan") or {}
     pass_s = 1 / plan["predicted_tok_s"] if plan.get("predicted_tok_s") else 0.0
-    if pass_s and row.tokens_per_pass:  # a pass over the tree: the plan's pass and each node past the root
-        node_s = result.get("spec", {}).get("node_s", 0.0)
-        row.predicted_tok_s = row.tokens_per_pass / (pass_s + max(row.tree_size_mean - 1, 0) * node_s)
+    if pass_s and row.tokens_per_pass:  # a pass over the tree: the plan's pass and each node past the free ones
+        spec = result.get("spec", {})
+        paid = max(row.tree_size_mean - 1 - spec.get("free_nodes", 0), 0)
+        row.predicted_tok_s = row.tokens_per_pass / (pass_s + paid * spec.get("node_s", 0.0))
     elif pass_s:
         row.predicted_tok_s = 1 / pass_s
 
@@ -209,6 +228,8 @@ def main() -> None:
     ap.add_argument("-t", "--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--llama-draft-max", type=int, default=16, help="llama-server's --spec-draft-n-max")
     ap.add_argument("--timeout", type=float, default=1200)
+    ap.add_argument("--warm", type=int, default=8,
+                    help="Token Recycling's table: made afresh from this many tuning prompts of each kind first")
     ap.add_argument("--out", type=Path, default=Path("results/freedraft_qwen1.5b.csv"))
     a = ap.parse_args()
     a.model = str(catalog.resolve(a.model))
@@ -222,6 +243,8 @@ def main() -> None:
     if not budgets.drop_page_cache():
         print("bench_freedraft: cannot drop the page cache (not root?): runs are not cold", file=sys.stderr)
     prompts = prompt_sets([k for k in a.kinds.split(",") if k], a.limit)
+    if any("recycle" in FLEX.get(s, "") or s == "auto" for s in systems):
+        print(f"bench_freedraft: Token Recycling's table from {warm_table(a)} tuning prompts", file=sys.stderr)
     a.out.parent.mkdir(parents=True, exist_ok=True)
     rows: list[Row] = []
     reference: dict[tuple[str, str], list[int]] = {}

@@ -101,6 +101,24 @@ def test_recycle_starts_rows_from_the_history_until_the_target_computes_them():
     assert [p.tokens for p in got] == [[2, 3, 1, 2]]  # 1 -> 2 -> 3 -> 1, four nodes
 
 
+def test_recycle_store_keeps_the_table_and_rates_for_the_next_run_and_ignores_one_that_does_not_fit(tmp_path):
+    store = tmp_path / "recycle" / "m.npz"
+    r = Recycle(n_vocab=10, k=2, store=store)
+    assert (r.table == -1).all()  # no store yet: an empty table
+    r.table[1] = [2, 3]
+    for _ in range(10):
+        r.judge(0, True)
+    r.save()
+    assert [p.name for p in store.parent.iterdir()] == ["m.npz"]  # no part file left
+    again = Recycle(n_vocab=10, k=2, store=store)
+    assert again.table[1].tolist() == [2, 3] and again.rate(0) == r.rate(0) > Recycle(10, 2).rate(0)
+    assert (Recycle(n_vocab=11, k=2, store=store).table == -1).all()  # another vocabulary: not this table
+    assert (Recycle(n_vocab=10, k=3, store=store).table == -1).all()
+    store.write_bytes(b"not a table")
+    assert (Recycle(n_vocab=10, k=2, store=store).table == -1).all()
+    Recycle(n_vocab=10, k=2).save()  # no store: nothing written, no error
+
+
 def test_a_drafter_learns_its_chance_of_acceptance_per_kind():
     d = NgramSimple()
     before = d.rate(3)
@@ -126,6 +144,12 @@ def test_merge_takes_the_most_confident_nodes_with_their_parents_under_the_budge
     assert [[p.token for p in q] for q in drafters.merge(proposals, 10, 1)] == [[1, 2, 3, 4]]
     # a node must pay for itself: nothing below the minimum confidence
     assert [[p.token for p in q] for q in drafters.merge(proposals, 10, 4, min_conf=0.7)] == [[1, 2, 3]]
+    # the first n_free nodes cost the pass nothing (its reads hide their compute): only the floor applies to them
+    got = [[p.token for p in q] for q in drafters.merge(proposals, 10, 4, min_conf=0.7, n_free=5)]
+    assert got == [[1, 2, 3, 4], [1, 5]]
+    assert [[p.token for p in q] for q in drafters.merge(proposals, 10, 4, 0.7, n_free=6)] == [[1, 2, 3, 4], [1, 5, 6]]
+    b.counts = {0: [1.0, 100.0]}  # 0.01 a token: under the floor even where free
+    assert [[p.token for p in q] for q in drafters.merge(proposals, 10, 4, 0.7, n_free=6)] == [[1, 2, 3, 4]]
 
 
 def test_spec_types_are_checked():
@@ -214,6 +238,25 @@ def test_no_draft_engine_is_loaded_without_a_draft(peaked, monkeypatch):
     speculate.run(peaked[0], engine.Settings(n_ctx=256, n_batch=64, temp=0.0), None, Options(), "abc abc", 8,
                   free_drafters=("ngram-simple",))
     assert loaded == [str(peaked[0])]
+
+
+def test_recycle_run_leaves_its_table_for_the_next_run_of_the_model(peaked):
+    from flexoffload import api
+    from flexoffload.gguf.model import load
+
+    store = api.recycle_store(load(peaked[0]))
+    store.unlink(missing_ok=True)
+    common = ("run", "-m", str(peaked[0]), "-p", "abc abc abc abc", "-n", "24", "--temp", "0", "-c", "256", "-b",
+              "64", "--json")
+    cli(*common, "--spec-type", "ngram-simple", check=True)
+    assert not store.exists()  # only Token Recycling keeps a table
+    first = json.loads(cli(*common, "--spec-type", "recycle", check=True).stdout)
+    with np.load(store) as f:
+        learned = (f["table"] >= 0).any(axis=1).sum()
+    assert learned > 0
+    second = json.loads(cli(*common, "--spec-type", "recycle", check=True).stdout)
+    assert second["tokens"] == first["tokens"]  # lossless either way
+    assert second["timings"]["drafters"]["recycle"]["n_drafted"] > 0
 
 
 def test_run_spec_type_reports_tokens_per_pass_and_acceptance_per_drafter(peaked):

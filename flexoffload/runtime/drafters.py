@@ -13,7 +13,9 @@ verified: the acceptances (`judge`) and, for a drafter that wants them, the targ
 from __future__ import annotations
 
 import heapq
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
@@ -66,6 +68,9 @@ class Drafter:
 
     def learn(self, tokens: list[int], logits: np.ndarray) -> None:
         """The target's logits (a row per token) after each token of a pass, in the pass's context."""
+
+    def save(self) -> None:
+        """Keep what was learned for the next run (a drafter with a store; others forget)."""
 
 
 class NgramSimple(Drafter):
@@ -150,17 +155,44 @@ class Recycle(Drafter):
     """Token Recycling (arXiv 2408.08696): a table of the target's top-k next tokens after each token, overwritten
     from the logits of every verification pass (every row the target computed), drawn as a tree from the history's
     last token: best first through the table, each candidate's chance that of its rank (learned), under the node
-    budget. Rows the target has not computed yet start from the prompt's own successors. Kind: the rank."""
+    budget. Rows the target has not computed yet start from the prompt's own successors. Kind: the rank.
+
+    With a store (a file), the table and the learned rates outlive the run, as the paper keeps its table across
+    queries: a run starts from every earlier run's predictions of the same model. A store that does not fit (another
+    model, another k) or cannot be read is ignored."""
     name = "recycle"
     wants_logits = True
     prior = {0: (2.0, 4.0), 1: (1.0, 6.0), 2: (1.0, 10.0)}
     default_prior = (1.0, 20.0)
 
-    def __init__(self, n_vocab: int, k: int = RECYCLE_K, max_leaves: int = 16):
+    def __init__(self, n_vocab: int, k: int = RECYCLE_K, max_leaves: int = 16, store: Path | None = None):
         super().__init__()
-        self.k, self.max_leaves = k, max_leaves
+        self.k, self.max_leaves, self.store = k, max_leaves, store
         self.table = np.full((n_vocab, k), -1, dtype=np.int32)
         self.n_seeded = 0
+        if store is not None and store.is_file():
+            self._load(store)
+
+    def _load(self, store: Path) -> None:
+        try:
+            with np.load(store) as f:
+                table, kinds, counts = f["table"], f["kinds"], f["counts"]
+        except (OSError, ValueError, KeyError):
+            return
+        if table.shape == self.table.shape and table.dtype == self.table.dtype and counts.shape == (len(kinds), 2):
+            self.table = table
+            self.counts = {int(k): [float(a), float(b)] for k, (a, b) in zip(kinds, counts)}
+
+    def save(self) -> None:
+        if self.store is None:
+            return
+        kinds = np.array(sorted(self.counts), dtype=np.int64)
+        counts = np.array([self.counts[int(k)] for k in kinds], dtype=np.float64).reshape(-1, 2)
+        self.store.parent.mkdir(parents=True, exist_ok=True)
+        part = self.store.with_name(f"{self.store.name}.{os.getpid()}.part")
+        with open(part, "wb") as f:  # whole or not at all: a part file renamed over the store
+            np.savez(f, table=self.table, kinds=kinds, counts=counts)
+        part.replace(self.store)
 
     @property
     def table_bytes(self) -> int:
@@ -218,10 +250,10 @@ DRAFTERS = ("ngram-simple", "ngram-map-k", "recycle")  # the free ones; `model` 
 SPEC_TYPES = DRAFTERS + ("model", "auto")
 
 
-def make(names, n_vocab: int) -> list[Drafter]:
-    """The free drafters named (DRAFTERS), in order."""
+def make(names, n_vocab: int, store: Path | None = None) -> list[Drafter]:
+    """The free drafters named (DRAFTERS), in order; store: where Token Recycling's table persists (None: not)."""
     kinds = {"ngram-simple": NgramSimple, "ngram-map-k": NgramMapK}
-    return [Recycle(n_vocab) if n == "recycle" else kinds[n]() for n in names if n in DRAFTERS]
+    return [Recycle(n_vocab, store=store) if n == "recycle" else kinds[n]() for n in names if n in DRAFTERS]
 
 
 def table_bytes(names, n_vocab: int) -> int:
@@ -237,12 +269,15 @@ class Pick:
     origins: list[tuple[Drafter, int]] = field(default_factory=list)
 
 
+FREE_FLOOR = 0.02  # a node the pass verifies for nothing (n_free) is still not worth a row below this confidence
+
+
 def merge(proposals: list[tuple[Drafter, Proposal]], n_nodes: int, n_leaves: int,
-          min_conf: float = 0.0) -> list[list[Pick]]:
+          min_conf: float = 0.0, n_free: int = 0) -> list[list[Pick]]:
     """The branches to verify: the proposals merged into one trie (a token proposed twice is one node, with the
     higher chance), then its most confident nodes, a node only with its parent, while confidence (the product of
-    chances down the path) stays at least min_conf, at most n_nodes nodes and n_leaves leaves. Root-to-leaf paths,
-    most confident first."""
+    chances down the path) stays at least min_conf (FREE_FLOOR for the first n_free nodes: those cost the pass
+    nothing), at most n_nodes nodes and n_leaves leaves. Root-to-leaf paths, most confident first."""
     trie: dict[tuple[int, ...], Pick] = {}
     for drafter, p in proposals:
         path: tuple[int, ...] = ()
@@ -261,7 +296,7 @@ def merge(proposals: list[tuple[Drafter, Proposal]], n_nodes: int, n_leaves: int
     leaves: set[tuple[int, ...]] = set()
     # parents first: a child is never more confident than its parent, and ties go to the shorter path
     for path in sorted(trie, key=lambda q: (-conf[q], len(q))):
-        if len(chosen) >= n_nodes or conf[path] < min_conf:
+        if len(chosen) >= n_nodes or conf[path] < (min_conf if len(chosen) >= n_free else FREE_FLOOR):
             break
         parent = path[:-1]
         if parent and parent not in chosen:

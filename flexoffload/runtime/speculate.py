@@ -234,7 +234,8 @@ class Speculator:
         # a branch of the free drafters alone may grow on; the draft model's keep their leaves (its cache)
         growable = [b for b in tree.branches if self.draft is None or b.seq < 0]
         n_leaves = self.n_seq - len(tree.branches) + sum(1 for b in growable if b.leaf is tree.root)
-        for picks in free.merge(proposals, n_left, n_leaves, min_conf):
+        n_free = max(self.options.free_nodes - (tree.n_nodes - 1), 0)  # the draft model's nodes come first
+        for picks in free.merge(proposals, n_left, n_leaves, min_conf, n_free):
             path, node = [], tree.root
             for pick in picks:  # how far the tree has the path already
                 node = next((ch for ch in node.children if ch.token == pick.token), None)
@@ -547,17 +548,22 @@ class Speculator:
 
 
 def run(target_path, settings, draft_path, options: Options, prompt: str, n_predict: int, on_text=None,
-        free_drafters: tuple[str, ...] = ()) -> Result:
+        free_drafters: tuple[str, ...] = (), store=None) -> Result:
     """Load the target (as settings say: streamed by its plan, or mmap) and the draft (resident; None: free
-    drafters alone, no draft loaded), and generate."""
+    drafters alone, no draft loaded), and generate. store: where Token Recycling's table outlives the run (saved
+    when the generation ends whole)."""
     if draft_path is None:
         with Engine(target_path, target_settings(settings, options.max_nodes or free_nodes(options))) as target:
-            chosen = free.make(free_drafters, target.lib.llama_vocab_n_tokens(target.vocab))
-            return Speculator(target, None, options, chosen).generate(prompt, n_predict, on_text)
-    with Engine(draft_path, draft_settings(settings, load(draft_path))) as draft, \
-            Engine(target_path, target_settings(settings, options.max_nodes)) as target:
-        chosen = free.make(free_drafters, target.lib.llama_vocab_n_tokens(target.vocab))
-        return Speculator(target, draft, options, chosen).generate(prompt, n_predict, on_text)
+            chosen = free.make(free_drafters, target.lib.llama_vocab_n_tokens(target.vocab), store)
+            result = Speculator(target, None, options, chosen).generate(prompt, n_predict, on_text)
+    else:
+        with Engine(draft_path, draft_settings(settings, load(draft_path))) as draft, \
+                Engine(target_path, target_settings(settings, options.max_nodes)) as target:
+            chosen = free.make(free_drafters, target.lib.llama_vocab_n_tokens(target.vocab), store)
+            result = Speculator(target, draft, options, chosen).generate(prompt, n_predict, on_text)
+    for drafter in chosen:
+        drafter.save()
+    return result
 
 
 def free_nodes(options: Options) -> int:
