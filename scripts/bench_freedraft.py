@@ -229,7 +229,8 @@ def main() -> None:
     ap.add_argument("--llama-draft-max", type=int, default=16, help="llama-server's --spec-draft-n-max")
     ap.add_argument("--timeout", type=float, default=1200)
     ap.add_argument("--warm", type=int, default=8,
-                    help="Token Recycling's table: made afresh from this many tuning prompts of each kind first")
+                    help="Token Recycling's table: made afresh from this many tuning prompts of each kind first "
+                         "(0: the table as an earlier round left it)")
     ap.add_argument("--out", type=Path, default=Path("results/freedraft_qwen1.5b.csv"))
     a = ap.parse_args()
     a.model = str(catalog.resolve(a.model))
@@ -243,7 +244,7 @@ def main() -> None:
     if not budgets.drop_page_cache():
         print("bench_freedraft: cannot drop the page cache (not root?): runs are not cold", file=sys.stderr)
     prompts = prompt_sets([k for k in a.kinds.split(",") if k], a.limit)
-    if any("recycle" in FLEX.get(s, "") or s == "auto" for s in systems):
+    if a.warm > 0 and any("recycle" in FLEX.get(s, "") or s == "auto" for s in systems):
         print(f"bench_freedraft: Token Recycling's table from {warm_table(a)} tuning prompts", file=sys.stderr)
     a.out.parent.mkdir(parents=True, exist_ok=True)
     rows: list[Row] = []
