@@ -311,3 +311,16 @@ def test_real_auto_speculates_where_the_plan_streams_and_not_without_a_budget(re
     assert tight.request.spec_type == ",".join(api.FREE_AUTO) and tight.plan is not None
     assert tight.draft_bytes == drafters.table_bytes(["recycle"], tight.model.n_vocab) > 4 << 20
     assert api.prepare(api.Request(model=str(real_model), prompt=prompt, spec_type="auto")).request.spec_type == "none"
+
+
+def test_run_speculates_by_default_where_auto_says_it_pays(real_model):
+    """`run`'s default --spec-type is auto: the request a run's flags make decides as auto does."""
+    from flexoffload import api
+    from flexoffload.cli import request_from_args
+
+    _, prompt = edit.prompts("tuning", 1)[0]
+    tight = api.prepare(request_from_args(["-m", str(real_model), "-p", prompt, "--temp", "0", "--mem", "0.4x"]))
+    assert tight.request.spec_type == ",".join(api.FREE_AUTO)
+    alone = api.prepare(request_from_args(["-m", str(real_model), "-p", prompt, "--mem", "0.4x", "--spec-type",
+                                           "none"]))
+    assert alone.request.spec_type == "none" and alone.draft_bytes == 0

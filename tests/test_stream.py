@@ -22,8 +22,9 @@ def streamable_model(tmp_path_factory):
 
 
 def run_json(model, prompt, n, *extra):
-    r = cli("run", "-m", str(model), "-p", prompt, "-n", str(n), "--temp", "0", "-c", "512", "--json", *extra,
-            check=True)
+    """`run --json`, the target alone (no speculation tree: these tests are of its streaming)."""
+    r = cli("run", "-m", str(model), "-p", prompt, "-n", str(n), "--temp", "0", "-c", "512", "--json",
+            "--spec-type", "none", *extra, check=True)
     return json.loads(r.stdout)
 
 

@@ -19,7 +19,7 @@ def request_from_flags(model_spec, prompt, prompt_file, n_predict, ctx_size, bat
                        spec_mode, no_pacer, no_adaptive, no_adaptive_split, pipeline, draft_always, tuned, verbose,
                        rpc=None, n_gpu_layers=0, placement="auto", n_ubatch=0, flash_attn="auto",
                        cache_type_k="f16", cache_type_v="f16", precision=None, max_kld=None, min_tok_s=None,
-                       original=None, expert_slots=None, spec_type="none"):
+                       original=None, expert_slots=None, spec_type="auto"):
     """api.Request from `run`'s flags (the prompt read from -f as llama.cpp reads it)."""
     from flexoffload import api
 
@@ -81,10 +81,11 @@ def request_from_args(args: list[str]):
 @click.option("--draft-p-split", default=0.3, show_default=True, help="a draft candidate this likely opens a branch")
 @click.option("--spec", "spec_mode", type=click.Choice(["tree", "chain"]), default="tree", show_default=True,
               help="speculation shape: a token tree, or a linear chain")
-@click.option("--spec-type", "spec_type", default="none", show_default=True, metavar="LIST",
+@click.option("--spec-type", "spec_type", default="auto", show_default=True, metavar="LIST",
               help="free drafters for a speculation tree, a comma list: ngram-simple, ngram-map-k, recycle (no "
-                   "memory but a table), model (-md, in the tree whenever given); auto: with -md model,ngram-simple, "
-                   "without it ngram-simple,recycle where the plan streams (docs/speculation.md)")
+                   "memory but a table), model (-md, in the tree whenever given); none; auto: with -md "
+                   "model,ngram-simple, without it ngram-simple,recycle where the plan streams and its pass is "
+                   "disk-bound (docs/speculation.md)")
 @click.option("--no-pacer", is_flag=True, help="grow branches in turn, not by confidence (ablation)")
 @click.option("--no-adaptive", is_flag=True, help="verify only at the node budget, not on low confidence (ablation)")
 @click.option("--no-adaptive-split", is_flag=True,
