@@ -26,8 +26,9 @@ def test_generate_in_process_and_enforced_give_the_same_tokens(tiny_model):
 def test_the_cli_and_the_api_read_the_same_request(tiny_model):
     request = request_from_args(["-m", str(tiny_model), "-p", "x y", "-n", "5", "--temp", "0", "--mem", "0.5x",
                                  "--no-pacer", "--pipeline", "--json"])
+    # run's --spec-type is auto; the API's Request defaults to none (plan --tune, bench and serve must not speculate)
     assert request == api.Request(model=str(tiny_model), prompt="x y", n_predict=5, temp=0.0, mem="0.5x",
-                                  pacer=False, pipeline=True)
+                                  pacer=False, pipeline=True, spec_type="auto")
     assert api.Request(**json.loads(json.dumps(asdict(request)))) == request  # what an enforced child receives
     out = json.loads(cli("run", "-m", str(tiny_model), "-p", "x y", "-n", "5", "--temp", "0", "--json",
                          check=True).stdout)
