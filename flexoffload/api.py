@@ -692,7 +692,7 @@ def run_prepared(p: Prepared, on_text=None, read_line=None, note=None) -> dict:
     elif p.draft_model is not None or _free_types(r) not in ([], ["auto"]):
         from flexoffload.runtime import spectree, speculate
 
-        node_s, free_nodes = 0.0, 0
+        node_s, hidden_nodes = 0.0, 0
         if plan is not None:  # what a node adds to a pass: the cost model's share of a token's compute
             from flexoffload.measure import profile as profiler
             from flexoffload.plan.costmodel import compute_seconds
@@ -700,18 +700,18 @@ def run_prepared(p: Prepared, on_text=None, read_line=None, note=None) -> dict:
             token_s = compute_seconds(model, profiler.measure(model, r.n_threads))
             node_s = spectree.VERIFY_SHARE * token_s
             # a streamed pass waits for its reads: the nodes whose compute fits in that wait cost nothing
-            free_nodes = int(max(1 / plan.predicted_tok_s - token_s, 0) / node_s) if plan.predicted_tok_s else 0
+            hidden_nodes = int(max(1 / plan.predicted_tok_s - token_s, 0) / node_s) if plan.predicted_tok_s else 0
         spec = spectree.Options(tree=r.spec == "tree", pacer=r.pacer, adaptive=r.adaptive,
                                  adaptive_split=r.adaptive_split, pipeline=r.pipeline,
                                  threshold=r.draft_p_split, max_nodes=r.draft_max, node_s=node_s,
-                                 free_nodes=free_nodes)
+                                 hidden_nodes=hidden_nodes)
         free = tuple(_free_types(r))
         store = recycle_store(model) if "recycle" in free else None
         result = speculate.run(r.model, settings, r.draft, spec, r.prompt, r.n_predict, on_text, free,
                                store).to_dict()
         if r.draft:
             result["draft"] = {"path": r.draft, "resident_mb": p.draft_bytes / MiB}
-        result["spec"] = {"types": r.spec_type.split(","), "node_s": node_s, "free_nodes": free_nodes,
+        result["spec"] = {"types": r.spec_type.split(","), "node_s": node_s, "hidden_nodes": hidden_nodes,
                           "table_mb": result["timings"].get("free_table_bytes", 0) / MiB}
     else:
         with engine.Engine(r.model, settings) as eng:

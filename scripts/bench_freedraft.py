@@ -140,9 +140,9 @@ def flex_row(row: Row, result: dict) -> None:
         setattr(row, "acc_" + name.replace("-", "_"), f"{d['n_accepted']}/{d['n_drafted']}")
     plan = result.get("plan") or {}
     pass_s = 1 / plan["predicted_tok_s"] if plan.get("predicted_tok_s") else 0.0
-    if pass_s and row.tokens_per_pass:  # a pass over the tree: the plan's pass and each node past the free ones
+    if pass_s and row.tokens_per_pass:  # a pass over the tree: the plan's pass and each node past the hidden ones
         spec = result.get("spec", {})
-        paid = max(row.tree_size_mean - 1 - spec.get("free_nodes", 0), 0)
+        paid = max(row.tree_size_mean - 1 - spec.get("hidden_nodes", 0), 0)
         row.predicted_tok_s = row.tokens_per_pass / (pass_s + paid * spec.get("node_s", 0.0))
     elif pass_s:
         row.predicted_tok_s = 1 / pass_s

@@ -144,12 +144,13 @@ def test_merge_takes_the_most_confident_nodes_with_their_parents_under_the_budge
     assert [[p.token for p in q] for q in drafters.merge(proposals, 10, 1)] == [[1, 2, 3, 4]]
     # a node must pay for itself: nothing below the minimum confidence
     assert [[p.token for p in q] for q in drafters.merge(proposals, 10, 4, min_conf=0.7)] == [[1, 2, 3]]
-    # the first n_free nodes cost the pass nothing (its reads hide their compute): only the floor applies to them
-    got = [[p.token for p in q] for q in drafters.merge(proposals, 10, 4, min_conf=0.7, n_free=5)]
+    # the first n_hidden nodes cost the pass nothing (its reads hide their compute): only the floor applies
+    got = [[p.token for p in q] for q in drafters.merge(proposals, 10, 4, min_conf=0.7, n_hidden=5)]
     assert got == [[1, 2, 3, 4], [1, 5]]
-    assert [[p.token for p in q] for q in drafters.merge(proposals, 10, 4, 0.7, n_free=6)] == [[1, 2, 3, 4], [1, 5, 6]]
-    b.counts = {0: [1.0, 100.0]}  # 0.01 a token: under the floor even where free
-    assert [[p.token for p in q] for q in drafters.merge(proposals, 10, 4, 0.7, n_free=6)] == [[1, 2, 3, 4]]
+    got = [[p.token for p in q] for q in drafters.merge(proposals, 10, 4, 0.7, n_hidden=6)]
+    assert got == [[1, 2, 3, 4], [1, 5, 6]]
+    b.counts = {0: [1.0, 100.0]}  # 0.01 a token: under the floor even where hidden
+    assert [[p.token for p in q] for q in drafters.merge(proposals, 10, 4, 0.7, n_hidden=6)] == [[1, 2, 3, 4]]
 
 
 def test_spec_types_are_checked():

@@ -269,15 +269,15 @@ class Pick:
     origins: list[tuple[Drafter, int]] = field(default_factory=list)
 
 
-FREE_FLOOR = 0.02  # a node the pass verifies for nothing (n_free) is still not worth a row below this confidence
+HIDDEN_FLOOR = 0.02  # a node whose compute hides in the pass (n_hidden) is not worth a row below this confidence
 
 
 def merge(proposals: list[tuple[Drafter, Proposal]], n_nodes: int, n_leaves: int,
-          min_conf: float = 0.0, n_free: int = 0) -> list[list[Pick]]:
+          min_conf: float = 0.0, n_hidden: int = 0) -> list[list[Pick]]:
     """The branches to verify: the proposals merged into one trie (a token proposed twice is one node, with the
     higher chance), then its most confident nodes, a node only with its parent, while confidence (the product of
-    chances down the path) stays at least min_conf (FREE_FLOOR for the first n_free nodes: those cost the pass
-    nothing), at most n_nodes nodes and n_leaves leaves. Root-to-leaf paths, most confident first."""
+    chances down the path) stays at least min_conf (HIDDEN_FLOOR for the first n_hidden nodes: their compute hides
+    in the pass's reads), at most n_nodes nodes and n_leaves leaves. Root-to-leaf paths, most confident first."""
     trie: dict[tuple[int, ...], Pick] = {}
     for drafter, p in proposals:
         path: tuple[int, ...] = ()
@@ -296,7 +296,7 @@ def merge(proposals: list[tuple[Drafter, Proposal]], n_nodes: int, n_leaves: int
     leaves: set[tuple[int, ...]] = set()
     # parents first: a child is never more confident than its parent, and ties go to the shorter path
     for path in sorted(trie, key=lambda q: (-conf[q], len(q))):
-        if len(chosen) >= n_nodes or conf[path] < (min_conf if len(chosen) >= n_free else FREE_FLOOR):
+        if len(chosen) >= n_nodes or conf[path] < (min_conf if len(chosen) >= n_hidden else HIDDEN_FLOOR):
             break
         parent = path[:-1]
         if parent and parent not in chosen:

@@ -37,7 +37,7 @@ class Options:
     alpha: float = ALPHA
     max_nodes: int | None = None  # node budget; None: from the measured target pass and draft token times
     node_s: float = 0.0  # what a node adds to the target's pass (VERIFY_SHARE of its compute a token); 0: unknown
-    free_nodes: int = 0  # nodes past the root whose compute hides under a streamed pass's reads: they cost nothing
+    hidden_nodes: int = 0  # nodes past the root whose compute hides under a streamed pass's reads: they cost nothing
 
 
 class Node:

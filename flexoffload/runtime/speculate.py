@@ -234,8 +234,8 @@ class Speculator:
         # a branch of the free drafters alone may grow on; the draft model's keep their leaves (its cache)
         growable = [b for b in tree.branches if self.draft is None or b.seq < 0]
         n_leaves = self.n_seq - len(tree.branches) + sum(1 for b in growable if b.leaf is tree.root)
-        n_free = max(self.options.free_nodes - (tree.n_nodes - 1), 0)  # the draft model's nodes come first
-        for picks in free.merge(proposals, n_left, n_leaves, min_conf, n_free):
+        n_hidden = max(self.options.hidden_nodes - (tree.n_nodes - 1), 0)  # the draft model's nodes come first
+        for picks in free.merge(proposals, n_left, n_leaves, min_conf, n_hidden):
             path, node = [], tree.root
             for pick in picks:  # how far the tree has the path already
                 node = next((ch for ch in node.children if ch.token == pick.token), None)
