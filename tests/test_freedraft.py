@@ -304,24 +304,36 @@ def test_the_plan_counts_the_free_drafters_rows_and_table(tiny_model):
     assert api.prepare(api.Request(**base, spec_type="auto")).request.spec_type == "none"
 
 
-def test_real_auto_speculates_where_the_plan_streams_and_not_without_a_budget(real_model):
+def test_real_auto_speculates_where_the_plan_streams_and_not_without_a_budget(real_model, monkeypatch):
+    """auto decides by the measured profile (is the plan's pass disk-bound?); the machine's measured compute is
+    set here on both sides of the rule, so the test does not depend on how busy the CPU was when it measured."""
     from flexoffload import api
+    from flexoffload.plan import costmodel
 
     _, prompt = edit.prompts("tuning", 1)[0]
-    tight = api.prepare(api.Request(model=str(real_model), prompt=prompt, temp=0, mem="0.4x", spec_type="auto"))
+    request = api.Request(model=str(real_model), prompt=prompt, temp=0, mem="0.4x", spec_type="auto")
+    monkeypatch.setattr(costmodel, "compute_seconds", lambda model, profile: 1e-3)  # the disk sets the pass
+    tight = api.prepare(request)
     assert tight.request.spec_type == ",".join(api.FREE_AUTO) and tight.plan is not None
     assert tight.draft_bytes == drafters.table_bytes(["recycle"], tight.model.n_vocab) > 4 << 20
+    monkeypatch.setattr(costmodel, "compute_seconds", lambda model, profile: 10.0)  # compute sets it
+    assert api.prepare(request).request.spec_type == "none"
+    monkeypatch.undo()
     assert api.prepare(api.Request(model=str(real_model), prompt=prompt, spec_type="auto")).request.spec_type == "none"
 
 
 def test_run_speculates_by_default_where_auto_says_it_pays(real_model):
     """`run`'s default --spec-type is auto: the request a run's flags make decides as auto does."""
+    from dataclasses import asdict
+
     from flexoffload import api
     from flexoffload.cli import request_from_args
 
     _, prompt = edit.prompts("tuning", 1)[0]
-    tight = api.prepare(request_from_args(["-m", str(real_model), "-p", prompt, "--temp", "0", "--mem", "0.4x"]))
-    assert tight.request.spec_type == ",".join(api.FREE_AUTO)
+    flags = request_from_args(["-m", str(real_model), "-p", prompt, "--temp", "0", "--mem", "0.4x"])
+    assert flags.spec_type == "auto"
+    auto = api.Request(**{**asdict(flags), "spec_type": "auto"})
+    assert api.prepare(flags).request.spec_type == api.prepare(auto).request.spec_type
     alone = api.prepare(request_from_args(["-m", str(real_model), "-p", prompt, "--mem", "0.4x", "--spec-type",
                                            "none"]))
     assert alone.request.spec_type == "none" and alone.draft_bytes == 0
