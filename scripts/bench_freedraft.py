@@ -111,15 +111,18 @@ def warm_table(a) -> int:
               [t for _, t in plain.prompts("tuning", min(count, len(plain.TUNING)))] +
               [t for _, t in edit.prompts("tuning", min(count, edit.COUNT))])
     for text in tuning:
-        args = ["-m", a.model, "-p", text, "-n", str(a.n), "-c", str(a.ctx), "-b", str(a.batch), "--temp", "0",
-                "-t", str(a.threads), "--spec-type", "recycle", "--json"]
-        api.run_in_cgroup(api.prepare(request_from_args(args)), None, timeout=a.timeout)
+        api.run_in_cgroup(api.prepare(request_from_args(run_args(a, text, "recycle"))), None, timeout=a.timeout)
     return len(tuning)
 
 
+def run_args(a, text: str, spec_type: str) -> list[str]:
+    """`flexoffload run`'s flags for a greedy run of text at the bench's settings."""
+    return ["-m", a.model, "-p", text, "-n", str(a.n), "-c", str(a.ctx), "-b", str(a.batch), "--temp", "0",
+            "-t", str(a.threads), "--spec-type", spec_type, "--json"]
+
+
 def run_flex(a, budget: str, system: str, text: str) -> dict:
-    args = ["-m", a.model, "-p", text, "-n", str(a.n), "-c", str(a.ctx), "-b", str(a.batch), "--temp", "0",
-            "-t", str(a.threads), "--mem", budget, "--spec-type", FLEX[system], "--json"]
+    args = run_args(a, text, FLEX[system]) + ["--mem", budget]
     if system in WITH_DRAFT:
         args += ["-md", a.draft, "--draft-always"]
     prepared = api.prepare(request_from_args(args))

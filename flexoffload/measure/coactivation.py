@@ -215,6 +215,23 @@ def balanced_kmeans(points: np.ndarray, k: int, iterations: int = ITERATIONS, se
     return assign
 
 
+def n_fit(n_tokens: int) -> int:
+    """The calibration tokens fitted on: all but the last HOLDOUT (at least one)."""
+    return max(int(n_tokens * (1 - HOLDOUT)), 1)
+
+
+def coactive_groups(contrib_fit: np.ndarray, neurons: np.ndarray, n_groups: int, seed: int = 0) -> np.ndarray:
+    """The neurons in n_groups equal groups of neurons that fire together, (n_groups, size): a neuron's profile is
+    the fit tokens it is active on (in the token's top ACTIVE_SHARE by contribution), clustered by balanced k-means."""
+    import numpy as np
+
+    active = contrib_fit >= np.quantile(contrib_fit, 1 - ACTIVE_SHARE, axis=1, keepdims=True)
+    profiles = active[:, neurons].T.astype(np.float32)
+    profiles /= np.linalg.norm(profiles, axis=1, keepdims=True) + 1e-12
+    assign = balanced_kmeans(profiles, n_groups, seed=seed)
+    return np.stack([neurons[assign == g] for g in range(n_groups)])
+
+
 def split(inputs: np.ndarray, activations: np.ndarray, norms: np.ndarray, n_expert: int, n_shared: int,
           used: tuple[int, ...] = (), seed: int = 0) -> tuple[LayerSplit, list[SplitQuality]]:
     """One layer's split from its calibration capture (inputs: (T, n_embd), activations: (T, n_ff)) and its ffn_down
@@ -225,20 +242,14 @@ def split(inputs: np.ndarray, activations: np.ndarray, norms: np.ndarray, n_expe
 
     c = contributions(activations, norms)
     n_tokens, n_ff = c.shape
-    fit = slice(0, max(int(n_tokens * (1 - HOLDOUT)), 1))
+    fit = slice(0, n_fit(n_tokens))
     held = slice(fit.stop, n_tokens)
     if (n_ff - n_shared) % n_expert:
         raise FlexoffloadError(f"{n_ff} neurons less {n_shared} shared do not make {n_expert} equal experts")
     order = np.argsort(-c[fit].mean(axis=0), kind="stable")
     shared, routed = np.sort(order[:n_shared]), np.sort(order[n_shared:])
 
-    # co-activation: a neuron's profile is the tokens it is active on (in the token's top ACTIVE_SHARE)
-    fitted = c[fit]
-    active = fitted >= np.quantile(fitted, 1 - ACTIVE_SHARE, axis=1, keepdims=True)
-    profiles = active[:, routed].T.astype(np.float32)
-    profiles /= np.linalg.norm(profiles, axis=1, keepdims=True) + 1e-12
-    assign = balanced_kmeans(profiles, n_expert, seed=seed)
-    experts = np.stack([routed[assign == e] for e in range(n_expert)])
+    experts = coactive_groups(c[fit], routed, n_expert, seed)
 
     # the router: an expert's score predicts its contribution mass from what the FFN reads
     mass = np.stack([c[:, e].sum(axis=1) for e in experts], axis=1)  # (T, n_expert)

@@ -7,7 +7,7 @@ A neuron i is row i of ffn_gate and ffn_up and column i of ffn_down; its contrib
 router. Here, per layer and in numpy only:
 
 - layouts: the neurons hot-first (by mean contribution on the fit tokens) cut into groups of G consecutive ones, or
-  co-activation groups (coactivation.balanced_kmeans, as split() makes experts); the first n_hot neurons of the
+  co-activation groups (coactivation.coactive_groups, as split() makes experts); the first n_hot neurons of the
   hot-first order are the hot set in both;
 - predictors of a group's contribution mass on a token: "linear" (ridge least squares from the FFN input x, as the
   test bed's router; optionally reduced to rank r, Deja Vu's low-rank predictor), "gate" (CATS: gate x computed in
@@ -114,11 +114,7 @@ def coactivated(contrib_fit: np.ndarray, size: int, n_hot: int, seed: int = 0) -
     order = hot_first_order(contrib_fit)
     _check_sizes(order.size, size, n_hot)
     routed = np.sort(order[n_hot:])
-    active = contrib_fit >= np.quantile(contrib_fit, 1 - coactivation.ACTIVE_SHARE, axis=1, keepdims=True)
-    profiles = active[:, routed].T.astype(np.float32)
-    profiles /= np.linalg.norm(profiles, axis=1, keepdims=True) + 1e-12
-    assign = coactivation.balanced_kmeans(profiles, routed.size // size, seed=seed)
-    groups = np.stack([routed[assign == g] for g in range(routed.size // size)])
+    groups = coactivation.coactive_groups(contrib_fit, routed, routed.size // size, seed)
     return Layout("coactivation", hot=order[:n_hot], groups=groups)
 
 
@@ -391,7 +387,7 @@ class Study:
         import numpy as np
 
         n_tokens, n_ff = activations.shape
-        fit = np.arange(max(int(n_tokens * (1 - coactivation.HOLDOUT)), 1))
+        fit = np.arange(coactivation.n_fit(n_tokens))
         held = np.arange(fit.size, n_tokens)
         if not held.size:
             raise FlexoffloadError(f"{n_tokens} tokens leave none held out")
@@ -486,7 +482,7 @@ def routed_rows(il: int, inputs: np.ndarray, activations: np.ndarray, down: np.n
     import numpy as np
 
     n_tokens = activations.shape[0]
-    held = np.arange(max(int(n_tokens * (1 - coactivation.HOLDOUT)), 1), n_tokens)
+    held = np.arange(coactivation.n_fit(n_tokens), n_tokens)
     h = activations[held].astype(np.float32)
     down = down.astype(np.float32)
     contrib = coactivation.contributions(h, np.linalg.norm(down, axis=0))
