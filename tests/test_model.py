@@ -36,6 +36,9 @@ def test_tensor_table_of_a_synthetic_model(tiny_model):
     ("blk.7.attn_output.weight", "attn_output", 7),
     ("blk.2.ffn_norm.weight", "norm", 2),
     ("rope_freqs.weight", "other", None),
+    ("blk.4.ffn_up_exps.weight", "expert", 4),
+    ("blk.4.ffn_gate_inp.weight", "router", 4),
+    ("blk.4.ffn_down_shexp.weight", "ffn_down", 4),  # a shared expert: every token's dense FFN
 ])
 def test_tensor_kind(name, kind, layer):
     assert tensor_kind(name) == (kind, layer)

@@ -21,6 +21,8 @@ KINDS = (
     "ffn_gate", "ffn_up", "ffn_down", "router", "expert", "norm", "bias", "output", "other",
 )
 
+FFN_KINDS = ("ffn_gate", "ffn_up", "ffn_down")
+
 _LAYER = re.compile(r"^blk\.(\d+)\.(.+)$")
 
 
@@ -95,6 +97,8 @@ def tensor_kind(name: str) -> tuple[str, int | None]:
         return base, layer
     if base.endswith("_exps"):  # ffn_{gate,up,down}_exps, ffn_gate_up_exps: one slice an expert
         return "expert", layer
+    if base.removesuffix("_shexp") in FFN_KINDS:  # a shared expert: a dense FFN every token uses
+        return base.removesuffix("_shexp"), layer
     if base == "ffn_gate_inp":  # the router's matrix
         return "router", layer
     if base == "attn_qkv":
