@@ -56,6 +56,7 @@ class Request:
     window: int | None = None  # None: the plan's
     io_threads: int | None = None  # None: the plan's, else IO_THREADS
     expert_slots: int | None = None  # a mixture of experts: experts each layer keeps cached (None: the plan's)
+    expert_reads: str = "auto"  # its expert tensors read by expert ("routed"), "whole" by the window, or as planned
     draft: str | None = None  # a draft model kept resident: token-tree speculation
     draft_max: int | None = None
     draft_p_split: float = 0.3
@@ -365,13 +366,23 @@ def plan_for_run(model, r: Request, limit: int | None, n_outputs: int = 1, n_seq
         budget = limit if limit is not None else 4 * model.file_size + (1 << 30)
         return make_plan(model, budget, policy, profiler.measure(model, r.n_threads), window=window,
                          io_threads=r.io_threads or IO_THREADS, slots=r.expert_slots,
-                         misses=expert_misses(model), **stepmem.run_costs(model, setting, budget))
+                         misses=expert_misses(model), whole=expert_whole(r),
+                         **stepmem.run_costs(model, setting, budget))
     budget = limit if limit is not None else 4 * model.file_size + (1 << 30)
     run = footprint.measure(model, r.n_ctx, r.n_batch, n_outputs, n_seq_max)
     check_budget(model, budget, run, window, draft)  # a budget too small is refused before the profile runs
     return plan_budget(model, budget, policy, profiler.measure(model, r.n_threads), run, window=window,
                        io_threads=r.io_threads or IO_THREADS, draft=draft, slots=r.expert_slots,
-                       misses=expert_misses(model))
+                       misses=expert_misses(model), whole=expert_whole(r))
+
+
+EXPERT_READS = {"auto": None, "routed": False, "whole": True}  # Request.expert_reads -> the planner's `whole`
+
+
+def expert_whole(r: Request) -> bool | None:
+    if r.expert_reads not in EXPERT_READS:
+        raise FlexoffloadError(f"unknown expert reads {r.expert_reads!r}: one of {', '.join(EXPERT_READS)}")
+    return EXPERT_READS[r.expert_reads]
 
 
 def expert_misses(model):
@@ -672,6 +683,7 @@ def engine_settings(p: Prepared):
         tensor_split=tuple(plan.placement["tensor_split"]) if plan and plan.placement else (),
         window=(r.window if r.window is not None else plan.window) if plan else 0,
         expert_slots=plan.experts["slots"] if plan and plan.experts else -1,
+        expert_whole=bool(plan and plan.experts and plan.experts.get("whole")),
         io_threads=r.io_threads or (plan.io_threads if plan else IO_THREADS), verbose=r.verbose)
 
 

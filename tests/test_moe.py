@@ -72,24 +72,27 @@ def test_a_moe_streamed_by_expert_gives_mmap_s_tokens(name, slots, tmp_path):
 
 
 @pytest.mark.parametrize("name", MOE)
-def test_expert_tensors_streamed_whole_give_mmap_s_tokens_and_every_pass_reads_all_experts(name, tmp_path,
-                                                                                         monkeypatch):
-    """The comparison scripts/repro_moe makes (patch 0021): LLAMA_STREAM_EXPERT_WHOLE=1, read when the runtime
-    starts (so in a child), streams expert tensors whole by the window like dense ones: the same greedy tokens,
-    nothing read by expert, and each pass reads all of every layer's experts."""
+def test_expert_tensors_streamed_whole_give_mmap_s_tokens_and_every_pass_reads_them_all(name, tmp_path):
+    """--expert-reads whole (patch 0021): the plan streams expert tensors whole by the window, like dense ones; the
+    same greedy tokens, nothing read by expert, and each pass reads every streamed expert tensor whole."""
     path = synth.write(tmp_path / f"{name}.gguf", dataclasses.replace(synth.SHAPES[name], **STREAMED[name]))
     m = load(path)
     request = api.Request(model=str(path), prompt="a b c d", n_predict=8, temp=0, n_ctx=256, n_batch=32)
     alone = api.generate(dataclasses.replace(request, strategy="mmap"))
-    mem = run_minimum(m, footprint.measure(m, 256, 32)) + expertcache.memory(m, 0)
-    prepared = api.prepare(dataclasses.replace(request, mem=str(mem), strategy="stream", expert_slots=0))
-    monkeypatch.setenv("LLAMA_STREAM_EXPERT_WHOLE", "1")
-    whole = api.run_in_cgroup(prepared, None)
+    # the least it runs in (the least for its experts read whole, as a dense model's tensors, may be less)
+    run = footprint.measure(m, 256, 32)
+    mem = max(run_minimum(m, run), run_minimum(dataclasses.replace(m, n_expert=0, n_expert_used=0), run))
+    prepared = api.prepare(dataclasses.replace(request, mem=str(mem), strategy="stream", expert_reads="whole"))
+    streamed = {t.name for t in m.tensors if t.kind == "expert"} & set(prepared.plan.streamed)
+    assert prepared.plan.experts["whole"] and streamed
+    whole = api.run_prepared(prepared)
     assert whole["tokens"] == alone["tokens"]
     t = whole["timings"]
     assert not t.get("expert_uses") and not t.get("expert_bytes_read")  # no expert counted: none read by expert
-    experts = sum(x.n_bytes for x in m.tensors if x.kind == "expert")
-    assert t["stream_bytes_read"] >= t["stream_passes"] * experts
+    assert t["stream_bytes_read"] >= t["stream_passes"] * sum(x.n_bytes for x in m.tensors if x.name in streamed)
+    # and the next model loaded streams its experts by expert again
+    routed = api.run_prepared(api.prepare(dataclasses.replace(prepared.request, expert_reads="routed")))
+    assert routed["tokens"] == alone["tokens"] and routed["timings"]["expert_uses"] > 0
 
 
 def test_the_mmap_minimum_counts_one_token_s_experts(tmp_path):

@@ -4,6 +4,7 @@ expert slices (measure/profile.py, expert_reads), not at the large reads' bandwi
 comes from a replayed trace or, unmeasured, from uniform routing (plan/experts.py: Misses, cost). Pure Python, but
 for the burst test, which reads a tiny synthetic MoE file."""
 
+import dataclasses
 import math
 
 import numpy as np
@@ -150,3 +151,42 @@ def test_a_moe_run_s_reads_do_not_set_the_disk_speed_dense_plans_use(tmp_path):
     profiler.record_run(path, timings)  # the same reads without experts: a pass's, the disk set the pace
     assert profiler.seen_disk_bw(path)[-1] == pytest.approx(0.7e9)
     assert len(profiler.seen_disk_bw(path)) in (len(before) + 1, len(before))  # a bounded list drops its oldest
+
+
+@pytest.fixture(scope="module")
+def wide(tmp_path_factory):
+    """llama-moe-tiny with expert tensors of 2.25 MiB (above the size that always stays resident)."""
+    shape = dataclasses.replace(synth.SHAPES["llama-moe-tiny"], n_embd=512, n_ff=1024, n_vocab=4096)
+    return load(synth.write(tmp_path_factory.mktemp("moe") / "llama-moe-wide.gguf", shape))
+
+
+SLOW_SLICES = dataclasses.replace(SLICES, expert_read_bw=0.1e9, expert_read_latency=2e-3)
+FAST_SLICES = dataclasses.replace(SLICES, expert_read_bw=2e9, expert_read_latency=10e-6)
+
+
+def test_the_plan_streams_expert_tensors_whole_where_that_is_predicted_faster(wide):
+    """Reading a token's routed experts waits for its router and overlaps nothing; expert tensors streamed whole go
+    ahead of compute at the large reads' speed (patch 0021). The plan takes whichever it predicts faster: whole where
+    bursts of slices are slow (a quarter of the bytes at a twentieth of the speed), the routed experts where they
+    are as fast as large reads."""
+    budget = wide.weight_bytes * 3 // 4
+    whole = make_plan(wide, budget, "balanced", SLOW_SLICES)
+    routed = make_plan(wide, budget, "balanced", SLOW_SLICES, whole=False)
+    assert whole.experts["whole"] and not routed.experts.get("whole")
+    assert whole.predicted_tok_s > routed.predicted_tok_s
+    # streamed whole: no cache, and every streamed expert tensor read whole each token
+    expert_names = {t.name for t in wide.tensors if t.kind == "expert"}
+    streamed = expert_names & set(whole.streamed)
+    assert streamed and whole.memory.experts == 0 and whole.experts["slots"] == 0
+    assert whole.experts["bytes_per_token"] == sum(t.n_bytes for t in wide.tensors if t.name in streamed)
+    assert whole.memory.total <= budget
+    fast = make_plan(wide, budget, "balanced", FAST_SLICES)
+    assert not fast.experts.get("whole")
+    assert fast.predicted_tok_s >= make_plan(wide, budget, "balanced", FAST_SLICES, whole=True).predicted_tok_s
+
+
+def test_expert_slots_are_refused_with_expert_tensors_read_whole(wide):
+    with pytest.raises(FlexoffloadError, match="expert slots"):
+        make_plan(wide, wide.weight_bytes * 3 // 4, "balanced", SLICES, slots=2, whole=True)
+    # slots given: the routed experts are read, whatever is faster
+    assert not make_plan(wide, wide.weight_bytes * 3 // 4, "balanced", SLOW_SLICES, slots=0).experts.get("whole")

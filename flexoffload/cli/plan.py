@@ -233,7 +233,10 @@ def plan(model_spec, mem, policy, rpc, placement, ctx_size, batch_size, threads,
                f"per token ({len(p.streamed)} tensors) through a window of {p.window} ({m.window / MiB:.0f} MiB)")
     click.echo(f"  KV cache {m.kv_cache / MiB:.0f} MiB, compute buffers {m.compute / MiB:.0f} MiB, "
                f"runtime {m.overhead / MiB:.0f} MiB: {m.total / MiB:.0f} of {p.budget / MiB:.0f} MiB")
-    if p.experts:
+    if p.experts and p.experts.get("whole"):
+        click.echo(f"  experts: streamed whole by the window ({p.experts['bytes_per_token'] / MiB:.0f} MiB a token): "
+                   f"predicted faster than reading the routed ones")
+    elif p.experts:
         x = p.experts
         click.echo(f"  experts: {x['slots']} of {model.n_expert} cached a layer ({m.experts / MiB:.0f} MiB with a "
                    f"batch's), predicted hit rate {x['hit_rate']:.0%}, {x['bytes_per_token'] / MiB:.1f} MiB read a token")

@@ -19,7 +19,7 @@ def request_from_flags(model_spec, prompt, prompt_file, n_predict, ctx_size, bat
                        spec_mode, no_pacer, no_adaptive, no_adaptive_split, pipeline, draft_always, tuned, verbose,
                        rpc=None, n_gpu_layers=0, placement="auto", n_ubatch=0, flash_attn="auto",
                        cache_type_k="f16", cache_type_v="f16", precision=None, max_kld=None, min_tok_s=None,
-                       original=None, expert_slots=None, spec_type="auto"):
+                       original=None, expert_slots=None, spec_type="auto", expert_reads="auto"):
     """api.Request from `run`'s flags (the prompt read from -f as llama.cpp reads it)."""
     from flexoffload import api
 
@@ -31,7 +31,8 @@ def request_from_flags(model_spec, prompt, prompt_file, n_predict, ctx_size, bat
         adaptive_split=not no_adaptive_split, pipeline=pipeline, draft_always=draft_always, tuned=tuned,
         verbose=verbose, rpc=rpc, n_gpu_layers=n_gpu_layers, placement=placement, n_ubatch=n_ubatch,
         flash_attn=flash_attn, cache_type_k=cache_type_k, cache_type_v=cache_type_v, precision=precision,
-        max_kld=max_kld, min_tok_s=min_tok_s, original=original, expert_slots=expert_slots, spec_type=spec_type)
+        max_kld=max_kld, min_tok_s=min_tok_s, original=original, expert_slots=expert_slots, spec_type=spec_type,
+        expert_reads=expert_reads)
 
 
 def request_from_args(args: list[str]):
@@ -74,6 +75,9 @@ def request_from_args(args: list[str]):
 @click.option("--io-threads", type=int, default=None, help="threads reading streamed weights [default: the plan's, 4]")
 @click.option("--expert-slots", type=click.IntRange(min=0), default=None,
               help="a mixture of experts: experts each layer keeps cached [default: the plan's]")
+@click.option("--expert-reads", type=click.Choice(["auto", "routed", "whole"]), default="auto", show_default=True,
+              help="a mixture of experts: read the routed experts once the router has chosen, or the expert tensors "
+                   "whole ahead of compute (faster where a token uses a large share of them); auto: the plan's")
 @click.option("-md", "--model-draft", "draft_spec", metavar="MODEL",
               help="a draft model kept resident: token-tree speculation (same vocabulary as the target)")
 @click.option("--draft-max", type=int, default=None,
@@ -115,8 +119,8 @@ def run(model_spec, prompt, prompt_file, n_predict, ctx_size, batch_size, n_ubat
         cache_type_v, threads, temp, seed,
         mem, enforce, strategy, policy, plan_dir, window, io_threads, draft_spec, draft_max, draft_p_split, spec_mode,
         no_pacer, no_adaptive, no_adaptive_split, pipeline, draft_always, tuned, rpc, n_gpu_layers, placement,
-        precision, max_kld, min_tok_s, original, expert_slots, conversation, system_prompt, as_json, verbose,
-        spec_type):
+        precision, max_kld, min_tok_s, original, expert_slots, expert_reads, conversation, system_prompt, as_json,
+        verbose, spec_type):
     """Generate text from a prompt (with -md: speculation by a resident draft model; -cnv: a conversation)."""
     from flexoffload import FlexoffloadError, api
 
@@ -135,7 +139,7 @@ def run(model_spec, prompt, prompt_file, n_predict, ctx_size, batch_size, n_ubat
                                  draft_p_split, spec_mode, no_pacer, no_adaptive, no_adaptive_split, pipeline,
                                  draft_always, tuned, verbose, rpc, n_gpu_layers, placement, n_ubatch, flash_attn,
                                  cache_type_k, cache_type_v, precision, max_kld, min_tok_s, original,
-                                 expert_slots=expert_slots, spec_type=spec_type)
+                                 expert_slots=expert_slots, spec_type=spec_type, expert_reads=expert_reads)
     request = replace(request, chat=conversation)
     if conversation and not as_json and sys.stdin.isatty():
         click.echo(f"flexoffload: a conversation ({chat_help})", err=True)

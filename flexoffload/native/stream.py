@@ -38,7 +38,7 @@ class LayerStats(ctypes.Structure):
 
 
 class ExpertsConfig(ctypes.Structure):
-    _fields_ = [("slots", ctypes.c_int32), ("policy", ctypes.c_int32)]
+    _fields_ = [("slots", ctypes.c_int32), ("policy", ctypes.c_int32), ("whole", ctypes.c_int32)]
 
 
 class ExpertsStats(ctypes.Structure):
@@ -120,12 +120,13 @@ def _cpu_lib():
     return _cpu
 
 
-def configure_experts(slots: int, policy: str = "lru") -> None:
+def configure_experts(slots: int, policy: str = "lru", whole: bool = False) -> None:
     """A mixture of experts' expert cache: experts each layer keeps between tokens (-1: all it has read), and which
-    to give back first (lru, lfu). Applies from the next layer computed."""
+    to give back first (lru, lfu), from the next layer computed. whole: the expert tensors of models loaded from now
+    on stream whole, by the window, as dense tensors do (patch 0021), not by expert."""
     if policy not in EXPERT_POLICIES:
         raise FlexoffloadError(f"unknown expert cache policy {policy!r}: one of {', '.join(EXPERT_POLICIES)}")
-    c = ExpertsConfig(slots=max(-1, slots), policy=EXPERT_POLICIES.index(policy))
+    c = ExpertsConfig(slots=max(-1, slots), policy=EXPERT_POLICIES.index(policy), whole=int(whole))
     _cpu_lib().ggml_backend_cpu_streamed_experts_set_config(ctypes.byref(c))
 
 

@@ -37,6 +37,7 @@ class Settings:
     io_threads: int = IO_THREADS
     chunk_bytes: int = CHUNK_BYTES  # streamed tensors larger than this are read in row chunks
     expert_slots: int = -1  # a mixture of experts: experts each layer keeps between tokens (-1: all it read)
+    expert_whole: bool = False  # its expert tensors stream whole, by the window, not by expert
     n_outputs: int = 1  # logits rows one forward pass returns (a speculation tree needs one per node)
     n_seq_max: int = 1  # sequences in the KV cache (a speculation tree: one per branch, in one unified cache)
     n_ubatch: int = 0  # tokens a forward pass computes at once (llama.cpp's -ub); 0: n_batch
@@ -288,7 +289,7 @@ class Engine:
             raise_memlock_limit()
             mparams.load_mode = lib.LLAMA_LOAD_MODE_MLOCK
             stream.configure(settings.window, settings.io_threads, chunk_bytes=settings.chunk_bytes)
-            stream.configure_experts(settings.expert_slots)
+            stream.configure_experts(settings.expert_slots, whole=settings.expert_whole)
             buft = stream.buffer_type()
             overrides = [(p.encode(), buft) for p in settings.streamed_patterns] + overrides
         if overrides:

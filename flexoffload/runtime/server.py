@@ -113,7 +113,8 @@ def environment(settings: Settings) -> dict[str, str]:
         env.update(LLAMA_STREAM_WINDOW=str(settings.window), LLAMA_STREAM_IO_THREADS=str(settings.io_threads),
                    LLAMA_STREAM_CHUNK_BYTES=str(settings.chunk_bytes),
                    # a mixture of experts' cache (patch 0018; stream.configure_experts): -1, all it read
-                   LLAMA_STREAM_EXPERT_SLOTS=str(settings.expert_slots))
+                   LLAMA_STREAM_EXPERT_SLOTS=str(settings.expert_slots),
+                   LLAMA_STREAM_EXPERT_WHOLE=str(int(settings.expert_whole)))
     if settings.rpc:  # as an RPC run's child (native.spin_briefly): spinning threads share the cores
         from flexoffload.native import SPIN_COUNT
 

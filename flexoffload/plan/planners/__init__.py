@@ -214,7 +214,8 @@ def minimum_budget(model: Model, window: int | None = None, kv_cache: int = 0, c
 
 def make_plan(model: Model, budget: int, policy: str, profile: Profile, window: int | None = None,
               io_threads: int = IO_THREADS, kv_cache: int = 0, compute: int = 0, overhead: int = 0,
-              code: int = 0, slots: int | None = None, misses: expertcache.MissesBySlots | None = None) -> Plan:
+              code: int = 0, slots: int | None = None, misses: expertcache.MissesBySlots | None = None,
+              whole: bool | None = None) -> Plan:
     """Plan a whole-process budget: resident weights + window + KV cache + compute buffers + overhead + code.
 
     window None: the one of AUTO_WINDOWS the cost model predicts fastest for this policy and budget. A deeper
@@ -225,7 +226,7 @@ def make_plan(model: Model, budget: int, policy: str, profile: Profile, window: 
         raise FlexoffloadError(f"unknown policy {policy!r}: one of {', '.join(POLICIES)}")
     if model.n_expert:
         return _moe_plan(model, budget, policy, profile, window, io_threads, kv_cache, compute, overhead, code,
-                         slots, misses)
+                         slots, misses, whole)
     windows = AUTO_WINDOWS if window is None else (window,)
     refuse_below(model, budget, min(minimum_budget(model, w, kv_cache, compute, overhead, code) for w in windows),
                  min(windows))
@@ -255,15 +256,25 @@ def make_plan(model: Model, budget: int, policy: str, profile: Profile, window: 
 
 def _moe_plan(model: Model, budget: int, policy: str, profile: Profile, window: int | None, io_threads: int,
               kv_cache: int, compute: int, overhead: int, code: int, slots: int | None,
-              misses: expertcache.MissesBySlots | None) -> Plan:
+              misses: expertcache.MissesBySlots | None, whole: bool | None) -> Plan:
     """A mixture of experts: the dense tensors planned as a dense model's in what the expert cache leaves, for each
-    slot count (slots None: the candidates), the fastest predicted. Expert tensors all stream, by expert."""
+    slot count (slots None: the candidates), the fastest predicted; expert tensors stream by expert. Or (whole True,
+    or None with no slots given) the expert tensors planned with the others as a dense model's tensors, streamed
+    whole by the window (_whole_plan): faster where a token routes to a large share of the experts. None: the
+    faster."""
+    if whole and slots is not None:
+        raise FlexoffloadError("expert slots are a cache of experts read by expert: not with expert tensors read whole")
     windows = AUTO_WINDOWS if window is None else (window,)
     refuse_below(model, budget, min(minimum_budget(model, w, kv_cache, compute, overhead, code) for w in windows),
                  min(windows))
     misses = misses or expertcache.uniform(model)
     base_model = expertcache.dense(model)
     best = None
+    if whole is not False and slots is None:
+        best = _whole_plan(model, budget, policy, profile, window, io_threads, kv_cache, compute, overhead, code,
+                           forced=bool(whole))
+        if whole:
+            return best[1]
     for s in ([slots] if slots is not None else expertcache.candidates(model)):
         experts = expertcache.memory(model, s)
         rest = budget - experts
@@ -274,6 +285,8 @@ def _moe_plan(model: Model, budget: int, policy: str, profile: Profile, window: 
         seconds = 1.0 / p.predicted_tok_s + c.seconds
         if best is None or seconds < best[0]:
             best = seconds, p, c, experts
+    if best is not None and best[2] is None:  # streamed whole is the faster
+        return best[1]
     if best is None:
         need = minimum_budget(model, min(windows), kv_cache, compute, overhead, code) \
             + expertcache.memory(model, slots) - expertcache.memory(model, 0)
@@ -288,6 +301,29 @@ def _moe_plan(model: Model, budget: int, policy: str, profile: Profile, window: 
         predicted_tok_s=1.0 / seconds,
         experts={"slots": c.slots, "policy": "lru", "hit_rate": c.hit_rate, "bytes_per_token": c.bytes_per_token,
                  "seconds": c.seconds})
+
+
+def _whole_plan(model: Model, budget: int, policy: str, profile: Profile, window: int | None, io_threads: int,
+                kv_cache: int, compute: int, overhead: int, code: int, forced: bool) -> tuple | None:
+    """A MoE's expert tensors planned as dense tensors (kept resident or streamed whole by the window, patch 0021),
+    with the routed experts' compute added: (seconds, plan, None, 0), or None where the budget holds no such plan
+    (forced: a one-line error)."""
+    try:
+        p = make_plan(replace(model, n_expert=0, n_expert_used=0), budget, policy, profile, window, io_threads,
+                      kv_cache, compute, overhead, code)
+    except FlexoffloadError:
+        if forced:
+            raise
+        return None
+    # every expert cached: the routed experts' compute alone (the dense pipeline counts no expert compute)
+    c = expertcache.cost(model, model.n_expert, profile, expertcache.uniform(model), io_threads)
+    seconds = 1.0 / p.predicted_tok_s + c.seconds
+    streamed = set(p.streamed)
+    read = sum(t.n_bytes for t in model.tensors if t.kind == "expert" and t.name in streamed)
+    plan = replace(p, predicted_tok_s=1.0 / seconds,
+                   experts={"slots": 0, "policy": "lru", "whole": True, "hit_rate": 0.0, "bytes_per_token": read,
+                            "seconds": c.seconds})
+    return seconds, plan, None, 0
 
 
 def refuse_below(model: Model, budget: int, need: int, window: int) -> None:
@@ -306,13 +342,13 @@ def ceiling(profile: Profile) -> Profile:
 
 def plan_budget(model: Model, budget: int, policy: str, profile: Profile, run: Footprint,
                 window: int | None = None, io_threads: int = IO_THREADS, draft: int = 0, slots: int | None = None,
-                misses: expertcache.MissesBySlots | None = None) -> Plan:
+                misses: expertcache.MissesBySlots | None = None, whole: bool | None = None) -> Plan:
     """make_plan with what a run takes beside the weights at its settings, run (the Footprint llama.cpp reports and
     the probe measures: measure.footprint); draft is what a resident draft model takes (resident_bytes), counted
     with the overhead."""
     check_budget(model, budget, run, window, draft)
     return make_plan(model, budget, policy, profile, window=window, io_threads=io_threads, slots=slots,
-                     misses=misses, **costs(run, draft, budget))
+                     misses=misses, whole=whole, **costs(run, draft, budget))
 
 
 def check_budget(model: Model, budget: int, run: Footprint, window: int | None = None, draft: int = 0) -> None:
