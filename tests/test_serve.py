@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import replace
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -352,7 +353,9 @@ def test_llama_server_flags_from_the_runs_settings():
     assert args[-1] == "--jinja" and "--no-repack" in args and pairs["--host"] == "/tmp/x/llama.sock"
     assert server.environment(settings) == {"LLAMA_STREAM_WINDOW": "2", "LLAMA_STREAM_IO_THREADS": "5",
                                             "LLAMA_STREAM_CHUNK_BYTES": str(settings.chunk_bytes),
-                                            "LLAMA_STREAM_EXPERT_SLOTS": "4"}
+                                            "LLAMA_STREAM_EXPERT_SLOTS": "4", "LLAMA_STREAM_EXPERT_WHOLE": "0"}
+    # a plan that streams a MoE's expert tensors whole (patch 0021)
+    assert server.environment(replace(settings, expert_whole=True))["LLAMA_STREAM_EXPERT_WHOLE"] == "1"
     mmap = server.llama_server_args("/m/model.gguf", Settings(strategy="mmap"), 1, "/s.sock")
     assert "-ot" not in mmap and mmap[mmap.index("-lm") + 1] == "mmap" and server.environment(Settings()) == {}
 
