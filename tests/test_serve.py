@@ -16,8 +16,8 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import replace
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
