@@ -376,13 +376,12 @@ def plan_for_run(model, r: Request, limit: int | None, n_outputs: int = 1, n_seq
                        misses=expert_misses(model), whole=expert_whole(r))
 
 
-EXPERT_READS = {"auto": None, "routed": False, "whole": True}  # Request.expert_reads -> the planner's `whole`
-
-
 def expert_whole(r: Request) -> bool | None:
-    if r.expert_reads not in EXPERT_READS:
-        raise FlexoffloadError(f"unknown expert reads {r.expert_reads!r}: one of {', '.join(EXPERT_READS)}")
-    return EXPERT_READS[r.expert_reads]
+    from flexoffload.plan.expertcache import READS
+
+    if r.expert_reads not in READS:
+        raise FlexoffloadError(f"unknown expert reads {r.expert_reads!r}: one of {', '.join(READS)}")
+    return READS[r.expert_reads]
 
 
 def expert_misses(model):
@@ -709,10 +708,8 @@ def run_prepared(p: Prepared, on_text=None, read_line=None, note=None) -> dict:
             from flexoffload.measure import profile as profiler
             from flexoffload.plan.costmodel import compute_seconds
 
-            token_s = compute_seconds(model, profiler.measure(model, r.n_threads))
-            node_s = spectree.VERIFY_SHARE * token_s
-            # a streamed pass waits for its reads: the nodes whose compute fits in that wait cost nothing
-            hidden_nodes = int(max(1 / plan.predicted_tok_s - token_s, 0) / node_s) if plan.predicted_tok_s else 0
+            node_s, hidden_nodes = spectree.node_costs(1 / plan.predicted_tok_s if plan.predicted_tok_s else 0,
+                                                       compute_seconds(model, profiler.measure(model, r.n_threads)))
         spec = spectree.Options(tree=r.spec == "tree", pacer=r.pacer, adaptive=r.adaptive,
                                  adaptive_split=r.adaptive_split, pipeline=r.pipeline,
                                  threshold=r.draft_p_split, max_nodes=r.draft_max, node_s=node_s,

@@ -113,3 +113,11 @@ def test_a_tree_from_a_chain_drafted_during_the_pass_counts_confidence_from_its_
     assert tree.root is reuse and reuse.parent is None and reuse.conf == 1.0
     assert tree.n_nodes == 3 and tree.branches[0].leaf is leaf and tree.branches[0].seq == 0
     assert leaf.conf == pytest.approx(0.25) and tree.confidence() == pytest.approx(0.25)
+
+
+def test_nodes_whose_compute_fits_in_a_streamed_pass_s_wait_cost_nothing():
+    node_s, hidden = spectree.node_costs(0.30, 0.05)  # a 0.3 s pass, 0.05 s of it compute
+    assert node_s == pytest.approx(spectree.VERIFY_SHARE * 0.05)
+    assert hidden == int(0.25 / node_s)  # 7: what fits in the 0.25 s spent waiting for reads
+    assert spectree.node_costs(0.05, 0.05)[1] == 0  # compute-bound: no wait to hide in
+    assert spectree.node_costs(0, 0.05) == (node_s, 0)  # no plan: unknown

@@ -10,6 +10,7 @@ import click
 
 from flexoffload.cli.common import PLACEMENTS, _errors_as_one_line, _precision_options, _read_prompt, _report
 from flexoffload.gguf import models as catalog
+from flexoffload.plan.expertcache import READS as EXPERT_READS
 from flexoffload.runtime.chat import HELP as chat_help
 from flexoffload.runtime.engine import KV_TYPES
 
@@ -75,7 +76,7 @@ def request_from_args(args: list[str]):
 @click.option("--io-threads", type=int, default=None, help="threads reading streamed weights [default: the plan's, 4]")
 @click.option("--expert-slots", type=click.IntRange(min=0), default=None,
               help="a mixture of experts: experts each layer keeps cached [default: the plan's]")
-@click.option("--expert-reads", type=click.Choice(["auto", "routed", "whole"]), default="auto", show_default=True,
+@click.option("--expert-reads", type=click.Choice(list(EXPERT_READS)), default="auto", show_default=True,
               help="a mixture of experts: read the routed experts once the router has chosen, or the expert tensors "
                    "whole ahead of compute (faster where a token uses a large share of them); auto: the plan's")
 @click.option("-md", "--model-draft", "draft_spec", metavar="MODEL",

@@ -106,6 +106,14 @@ def predicted_tok_s(pass_s: float, draft_token_s: float, target_token_s: float) 
     return TOKENS_PER_PASS / (pass_s + DRAFT_STEPS * (draft_token_s + VERIFY_SHARE * target_token_s))
 
 
+def node_costs(pass_s: float, token_s: float) -> tuple[float, int]:
+    """What a node past the root adds to a target pass (VERIFY_SHARE of the target's compute a token, token_s), and
+    how many nodes cost nothing: a streamed one-token pass of pass_s waits for its reads, and the compute of the
+    nodes that fits in that wait is hidden in it (pass_s 0: unknown, none)."""
+    node_s = VERIFY_SHARE * token_s
+    return node_s, int(max(pass_s - token_s, 0) / node_s) if pass_s and node_s else 0
+
+
 def pace(branches: list[Branch], n_nodes: int) -> Branch | None:
     """LLMCad's branch pacer (eq. 1-2): the next draft token goes to the branch furthest below its share of the
     tree, f(x) = M * C_x / sum(C) - T_x, so lengths follow cumulative confidence (max-min fairness)."""

@@ -269,12 +269,13 @@ def _moe_plan(model: Model, budget: int, policy: str, profile: Profile, window: 
                  min(windows))
     misses = misses or expertcache.uniform(model)
     base_model = expertcache.dense(model)
-    best = None
+    whole_plan = None
     if whole is not False and slots is None:
-        best = _whole_plan(model, budget, policy, profile, window, io_threads, kv_cache, compute, overhead, code,
-                           forced=bool(whole))
+        whole_plan = _whole_plan(model, budget, policy, profile, window, io_threads, kv_cache, compute, overhead,
+                                 code, forced=bool(whole))
         if whole:
-            return best[1]
+            return whole_plan
+    best = None
     for s in ([slots] if slots is not None else expertcache.candidates(model)):
         experts = expertcache.memory(model, s)
         rest = budget - experts
@@ -285,8 +286,8 @@ def _moe_plan(model: Model, budget: int, policy: str, profile: Profile, window: 
         seconds = 1.0 / p.predicted_tok_s + c.seconds
         if best is None or seconds < best[0]:
             best = seconds, p, c, experts
-    if best is not None and best[2] is None:  # streamed whole is the faster
-        return best[1]
+    if whole_plan is not None and (best is None or whole_plan.predicted_tok_s >= 1.0 / best[0]):
+        return whole_plan
     if best is None:
         need = minimum_budget(model, min(windows), kv_cache, compute, overhead, code) \
             + expertcache.memory(model, slots) - expertcache.memory(model, 0)
@@ -304,10 +305,9 @@ def _moe_plan(model: Model, budget: int, policy: str, profile: Profile, window: 
 
 
 def _whole_plan(model: Model, budget: int, policy: str, profile: Profile, window: int | None, io_threads: int,
-                kv_cache: int, compute: int, overhead: int, code: int, forced: bool) -> tuple | None:
+                kv_cache: int, compute: int, overhead: int, code: int, forced: bool) -> Plan | None:
     """A MoE's expert tensors planned as dense tensors (kept resident or streamed whole by the window, patch 0021),
-    with the routed experts' compute added: (seconds, plan, None, 0), or None where the budget holds no such plan
-    (forced: a one-line error)."""
+    with the routed experts' compute added; None where the budget holds no such plan (forced: a one-line error)."""
     try:
         p = make_plan(replace(model, n_expert=0, n_expert_used=0), budget, policy, profile, window, io_threads,
                       kv_cache, compute, overhead, code)
@@ -317,13 +317,11 @@ def _whole_plan(model: Model, budget: int, policy: str, profile: Profile, window
         return None
     # every expert cached: the routed experts' compute alone (the dense pipeline counts no expert compute)
     c = expertcache.cost(model, model.n_expert, profile, expertcache.uniform(model), io_threads)
-    seconds = 1.0 / p.predicted_tok_s + c.seconds
     streamed = set(p.streamed)
     read = sum(t.n_bytes for t in model.tensors if t.kind == "expert" and t.name in streamed)
-    plan = replace(p, predicted_tok_s=1.0 / seconds,
+    return replace(p, predicted_tok_s=1.0 / (1.0 / p.predicted_tok_s + c.seconds),
                    experts={"slots": 0, "policy": "lru", "whole": True, "hit_rate": 0.0, "bytes_per_token": read,
                             "seconds": c.seconds})
-    return seconds, plan, None, 0
 
 
 def refuse_below(model: Model, budget: int, need: int, window: int) -> None:
