@@ -65,6 +65,7 @@ class Request:
     adaptive: bool = True
     adaptive_split: bool = True
     pipeline: bool = False
+    tiled_verify: bool = False  # verification passes with the tiled kernels (not bit-exact: an ablation)
     draft_always: bool = False  # speculate even where the target alone is predicted faster
     spec_type: str = "none"  # free drafters (runtime/drafters.py), a comma list; auto: as the cost model says
     rpc: str | None = None  # RPC servers (HOST:PORT,...) the plan places tensors on
@@ -711,7 +712,7 @@ def run_prepared(p: Prepared, on_text=None, read_line=None, note=None) -> dict:
             node_s, hidden_nodes = spectree.node_costs(1 / plan.predicted_tok_s if plan.predicted_tok_s else 0,
                                                        compute_seconds(model, profiler.measure(model, r.n_threads)))
         spec = spectree.Options(tree=r.spec == "tree", pacer=r.pacer, adaptive=r.adaptive,
-                                 adaptive_split=r.adaptive_split, pipeline=r.pipeline,
+                                 adaptive_split=r.adaptive_split, pipeline=r.pipeline, tiled=r.tiled_verify,
                                  threshold=r.draft_p_split, max_nodes=r.draft_max, node_s=node_s,
                                  hidden_nodes=hidden_nodes)
         free = tuple(_free_types(r))

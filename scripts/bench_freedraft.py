@@ -43,6 +43,7 @@ FLEX = {  # system -> run's --spec-type
     "recycle": "recycle",
     "ngram-simple+recycle": "ngram-simple,recycle",
     "auto": "auto",
+    "auto-tiled": "auto",  # verified by the tiled kernels, as llama.cpp verifies (--tiled-verify: not bit-exact)
     "md": "none",  # -md DRAFT: today's model-only tree (--draft-always)
     "md+ngram-simple": "model,ngram-simple",  # the merged tree
     "md+recycle": "model,ngram-simple,recycle",
@@ -125,6 +126,8 @@ def run_flex(a, budget: str, system: str, text: str) -> dict:
     args = run_args(a, text, FLEX[system]) + ["--mem", budget]
     if system in WITH_DRAFT:
         args += ["-md", a.draft, "--draft-always"]
+    if system.endswith("-tiled"):
+        args += ["--tiled-verify"]
     prepared = api.prepare(request_from_args(args))
     budgets.drop_page_cache()
     return api.run_in_cgroup(prepared, prepared.limit, timeout=a.timeout)

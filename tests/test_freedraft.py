@@ -227,6 +227,30 @@ def test_sampled_output_with_free_drafters_is_the_target_alones_with_the_same_se
         assert got.timings["tokens_per_pass"] > 1
 
 
+@pytest.mark.parametrize("tiled", [False, True])
+def test_verification_passes_use_the_per_row_kernels_unless_tiled_verify(peaked, tiled, monkeypatch):
+    """Bit-exact verification turns the tiled kernels off for each target pass over a tree (and back to the
+    environment's choice after); --tiled-verify (an ablation) leaves them as llama.cpp has them."""
+    from flexoffload import native
+
+    modes = []
+    real = native.set_tiled_matmul
+    monkeypatch.setattr(native, "set_tiled_matmul", lambda mode: (modes.append(mode), real(mode)))
+    got = speculate.run(peaked[0], engine.Settings(n_ctx=256, n_batch=64, temp=0.0), None, Options(tiled=tiled),
+                        "abc abc abc", 24, free_drafters=("ngram-simple",))
+    assert got.timings["n_verify"] > 0
+    during = modes[0::2]
+    assert len(during) == got.timings["n_verify"] and set(modes[1::2]) == {-1}
+    assert set(during) == ({-1} if tiled else {0})
+
+
+def test_run_takes_tiled_verify():
+    from flexoffload.cli.run import request_from_args
+
+    assert request_from_args(["-p", "x", "--tiled-verify"]).tiled_verify
+    assert not request_from_args(["-p", "x"]).tiled_verify
+
+
 def test_no_draft_engine_is_loaded_without_a_draft(peaked, monkeypatch):
     loaded = []
     real = engine.Engine.__init__

@@ -20,7 +20,7 @@ def request_from_flags(model_spec, prompt, prompt_file, n_predict, ctx_size, bat
                        spec_mode, no_pacer, no_adaptive, no_adaptive_split, pipeline, draft_always, tuned, verbose,
                        rpc=None, n_gpu_layers=0, placement="auto", n_ubatch=0, flash_attn="auto",
                        cache_type_k="f16", cache_type_v="f16", precision=None, max_kld=None, min_tok_s=None,
-                       original=None, expert_slots=None, spec_type="auto", expert_reads="auto"):
+                       original=None, expert_slots=None, spec_type="auto", expert_reads="auto", tiled_verify=False):
     """api.Request from `run`'s flags (the prompt read from -f as llama.cpp reads it)."""
     from flexoffload import api
 
@@ -33,7 +33,7 @@ def request_from_flags(model_spec, prompt, prompt_file, n_predict, ctx_size, bat
         verbose=verbose, rpc=rpc, n_gpu_layers=n_gpu_layers, placement=placement, n_ubatch=n_ubatch,
         flash_attn=flash_attn, cache_type_k=cache_type_k, cache_type_v=cache_type_v, precision=precision,
         max_kld=max_kld, min_tok_s=min_tok_s, original=original, expert_slots=expert_slots, spec_type=spec_type,
-        expert_reads=expert_reads)
+        expert_reads=expert_reads, tiled_verify=tiled_verify)
 
 
 def request_from_args(args: list[str]):
@@ -95,6 +95,9 @@ def request_from_args(args: list[str]):
 @click.option("--no-adaptive", is_flag=True, help="verify only at the node budget, not on low confidence (ablation)")
 @click.option("--no-adaptive-split", is_flag=True,
               help="keep --draft-p-split as given, not moved by which branches the target accepts (ablation)")
+@click.option("--tiled-verify", is_flag=True,
+              help="verify with the tiled kernels from 8 tree nodes, as llama.cpp does: cheaper nodes, but greedy "
+                   "output may differ from the target alone's at near ties (ablation)")
 @click.option("--pipeline/--no-pipeline", default=False, show_default=True,
               help="draft on while the target verifies, under SCHED_IDLE (within noise on 2 cores: off by default)")
 @click.option("--draft-always", is_flag=True,
@@ -121,7 +124,7 @@ def run(model_spec, prompt, prompt_file, n_predict, ctx_size, batch_size, n_ubat
         mem, enforce, strategy, policy, plan_dir, window, io_threads, draft_spec, draft_max, draft_p_split, spec_mode,
         no_pacer, no_adaptive, no_adaptive_split, pipeline, draft_always, tuned, rpc, n_gpu_layers, placement,
         precision, max_kld, min_tok_s, original, expert_slots, expert_reads, conversation, system_prompt, as_json,
-        verbose, spec_type):
+        verbose, spec_type, tiled_verify):
     """Generate text from a prompt (with -md: speculation by a resident draft model; -cnv: a conversation)."""
     from flexoffload import FlexoffloadError, api
 
@@ -140,7 +143,8 @@ def run(model_spec, prompt, prompt_file, n_predict, ctx_size, batch_size, n_ubat
                                  draft_p_split, spec_mode, no_pacer, no_adaptive, no_adaptive_split, pipeline,
                                  draft_always, tuned, verbose, rpc, n_gpu_layers, placement, n_ubatch, flash_attn,
                                  cache_type_k, cache_type_v, precision, max_kld, min_tok_s, original,
-                                 expert_slots=expert_slots, spec_type=spec_type, expert_reads=expert_reads)
+                                 expert_slots=expert_slots, spec_type=spec_type, expert_reads=expert_reads,
+                                 tiled_verify=tiled_verify)
     request = replace(request, chat=conversation)
     if conversation and not as_json and sys.stdin.isatty():
         click.echo(f"flexoffload: a conversation ({chat_help})", err=True)

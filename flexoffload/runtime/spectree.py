@@ -33,6 +33,7 @@ class Options:
     adaptive: bool = True  # False: verify only when the tree reaches its node budget
     adaptive_split: bool = True  # False: the branch threshold stays where it is given (next_threshold)
     pipeline: bool = False  # draft on while the target verifies (measured within noise on 2 cores: off by default)
+    tiled: bool = False  # verify with the tiled kernels from 8 nodes, as llama.cpp does: not bit-exact (ablation)
     threshold: float = THRESHOLD
     alpha: float = ALPHA
     max_nodes: int | None = None  # node budget; None: from the measured target pass and draft token times

@@ -306,7 +306,7 @@ class Speculator:
         t0 = time.perf_counter()
         # the per-row kernels a one-token pass uses: with the tiled ones (from 8 tokens) the logits would differ in
         # their last bits from a run without speculation, and near ties would flip (patch 0009)
-        native.set_tiled_matmul(0)
+        native.set_tiled_matmul(-1 if self.options.tiled else 0)
         try:
             self._target_pass(rc)
         finally:
