@@ -255,6 +255,10 @@ def _free_types(r: Request) -> list[str]:
 
     names = [n.strip() for n in (r.spec_type or "none").split(",") if n.strip()]
     for n in names:
+        if n == "layers":  # measured before building: scripts/layers_study, results/layers_draft_qwen1.5b.csv
+            raise FlexoffloadError("--spec-type layers is not built: a draft through the layers a plan keeps "
+                                   "resident gave the target's greedy token 0-2 % of the time on the 1.5B at "
+                                   "0.4x-0.8x (docs/speculation.md)")
         if n not in drafters.SPEC_TYPES + ("none",):
             raise FlexoffloadError(f"unknown --spec-type {n!r}: a list of {', '.join(drafters.SPEC_TYPES)}, or none")
     if ("auto" in names or "none" in names) and len(names) > 1:

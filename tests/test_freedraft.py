@@ -160,7 +160,7 @@ def test_spec_types_are_checked():
     assert api._free_types(api.Request(spec_type="auto")) == ["auto"]
     assert api._free_types(api.Request(spec_type="none")) == []
     assert api._free_types(api.Request(spec_type="model,recycle", draft="x")) == ["recycle"]
-    for bad in ("ngram-cache", "auto,recycle", "model"):
+    for bad in ("ngram-cache", "auto,recycle", "model", "layers", "recycle,layers"):
         with pytest.raises(FlexoffloadError):
             api._free_types(api.Request(spec_type=bad))
 
