@@ -7,10 +7,10 @@ from flexoffload import FlexoffloadError
 from flexoffload.gguf import models
 from flexoffload.gguf import synth
 from flexoffload.plan.costmodel import Pipeline, Profile
-from flexoffload.gguf.model import Model, Tensor, load, tensor_kind
+from flexoffload.gguf.model import ATTENTION_KINDS as ATTENTION, FFN_KINDS as FFN, Model, Tensor, load, tensor_kind
 from flexoffload.measure import footprint
-from flexoffload.plan.planners import (ATTENTION, FFN, POLICIES, always_resident, by_kind, is_small, layer_pool,
-                                       make_plan, memory_for, minimum_budget)
+from flexoffload.plan.planners import (POLICIES, always_resident, by_kind, is_small, layer_pool, make_plan, memory_for,
+                                       minimum_budget)
 
 # 8 layers, F32: attn_q/attn_output 1 MiB, attn_k/v 256 KiB (small), FFN 3 MiB each, token_embd/output 2 MiB
 SHAPE = synth.Shape(n_layer=8, n_embd=512, n_ff=1536, n_head=8, n_head_kv=2, n_vocab=1024, n_ctx_train=512)

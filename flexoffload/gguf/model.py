@@ -21,6 +21,7 @@ KINDS = (
     "ffn_gate", "ffn_up", "ffn_down", "router", "expert", "norm", "bias", "output", "other",
 )
 
+ATTENTION_KINDS = ("attn_q", "attn_k", "attn_v", "attn_output")
 FFN_KINDS = ("ffn_gate", "ffn_up", "ffn_down")
 
 _LAYER = re.compile(r"^blk\.(\d+)\.(.+)$")

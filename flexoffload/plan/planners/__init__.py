@@ -31,7 +31,7 @@ from dataclasses import replace
 
 from flexoffload import FlexoffloadError
 from flexoffload.defaults import IO_THREADS, SMALL_BYTES
-from flexoffload.gguf.model import FFN_KINDS, Model, Tensor
+from flexoffload.gguf.model import Model, Tensor
 from flexoffload.memory.budget import format_size
 from flexoffload.memory.footprint import Footprint, costs, smallest_budget
 from flexoffload.plan import expertcache
@@ -39,8 +39,6 @@ from flexoffload.plan.costmodel import Pipeline, Profile, roofline, rows_memory,
 from flexoffload.plan.plan import Memory, Plan
 
 AUTO_WINDOWS = (0, 1, 2, 3, 4)  # prefetch windows make_plan chooses among (FlexInfer's default is 3)
-ATTENTION = ("attn_q", "attn_k", "attn_v", "attn_output")
-FFN = FFN_KINDS
 
 Planner = Callable[[Model, int, Profile, int, int], set[str]]
 

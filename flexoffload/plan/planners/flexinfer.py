@@ -23,13 +23,14 @@ from __future__ import annotations
 
 from flexoffload.gguf.model import Model
 from flexoffload.plan.costmodel import Profile
-from flexoffload.plan.planners import ATTENTION, FFN, base, by_kind, layer_pool
+from flexoffload.gguf.model import ATTENTION_KINDS, FFN_KINDS
+from flexoffload.plan.planners import base, by_kind, layer_pool
 
 
 def plan(model: Model, capacity: int, profile: Profile, window: int, io_threads: int) -> set[str]:
     ledger = base(model, capacity, window)
     pool = layer_pool(model, ledger.resident)
-    ffn, attention = by_kind(pool, FFN), by_kind(pool, ATTENTION)
+    ffn, attention = by_kind(pool, FFN_KINDS), by_kind(pool, ATTENTION_KINDS)
     half_attention = [t for kind in attention[:2] for t in kind]
     if ledger.fits([t for kind in ffn for t in kind] + half_attention):
         n_ffn = len(ffn)

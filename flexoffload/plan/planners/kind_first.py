@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from flexoffload.gguf.model import Model
 from flexoffload.plan.costmodel import Profile
-from flexoffload.plan.planners import ATTENTION, FFN, base, by_kind, layer_pool
+from flexoffload.gguf.model import ATTENTION_KINDS, FFN_KINDS
+from flexoffload.plan.planners import base, by_kind, layer_pool
 
 
 def _kinds_first(model: Model, capacity: int, window: int, first: tuple[str, ...], then: tuple[str, ...]) -> set[str]:
@@ -19,8 +20,8 @@ def _kinds_first(model: Model, capacity: int, window: int, first: tuple[str, ...
 
 
 def attn_first(model: Model, capacity: int, profile: Profile, window: int, io_threads: int) -> set[str]:
-    return _kinds_first(model, capacity, window, ATTENTION, FFN)
+    return _kinds_first(model, capacity, window, ATTENTION_KINDS, FFN_KINDS)
 
 
 def ffn_first(model: Model, capacity: int, profile: Profile, window: int, io_threads: int) -> set[str]:
-    return _kinds_first(model, capacity, window, FFN, ATTENTION)
+    return _kinds_first(model, capacity, window, FFN_KINDS, ATTENTION_KINDS)
