@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
-"""Greedy output of `flexoffload run` (mmap, stream under a budget, -md as it decides) against llama-completion
-with upstream's own attention: a build's llama-completion run with GGML_CPU_SPLIT_KV=1 (patch 0016 off: upstream
-splits a lone token's attention across the threads from 512 KV cells), and with it at flexoffload's 0.
+"""Greedy output of `flexoffload run` (mmap, stream under a budget with the free drafters as `--spec-type auto`
+decides, -md with them) against llama-completion with upstream's own attention: a build's llama-completion run
+with GGML_CPU_SPLIT_KV=1 (patch 0016 off: upstream splits a lone token's attention across the threads from 512 KV
+cells), and with it at flexoffload's 0.
 
     scripts/checks/check_equality.py -n 64 --problems 6 -o results/equality_qwen1.5b.csv
 
@@ -26,6 +27,7 @@ from flexoffload import native  # noqa: E402
 from flexoffload.bench.sweep import write_csv  # noqa: E402
 
 RUNS = {"mmap": ["--strategy", "mmap"], "stream 0.6x": ["--mem", "0.6x", "--enforce"],
+        "stream 0.4x": ["--mem", "0.4x", "--enforce"],  # --spec-type auto: free drafters where they pay
         "-md 0.8x": ["--mem", "0.8x", "--enforce", "-md", models.DRAFT_MODEL]}
 
 
@@ -60,7 +62,7 @@ def main() -> None:
             out = json.loads(r.stdout) if r.returncode == 0 else {}
             text = out.get("text")
             rows.append({"task": task, "run": name, "cells": out.get("n_prompt", 0) + out.get("n_gen", 0),
-                         "speculated": "draft" in out, "equals_upstream_split": text == upstream,
+                         "speculated": ",".join(out.get("spec", {}).get("types", [])) or "none", "equals_upstream_split": text == upstream,
                          "equals_split_off": text == ours_ref, "upstream_split_equals_off": upstream == ours_ref,
                          "error": "" if r.returncode == 0 else r.stderr.strip().splitlines()[-1]})
             write_csv(rows, a.output)
