@@ -80,6 +80,7 @@ class Request:
     max_kld: float | None = None  # with precision: the fastest plan within this KL divergence (default mixed.py's)
     min_tok_s: float | None = None  # with precision: the least harm reaching this predicted tok/s
     original: str | None = None  # with precision: the model's F16/BF16 weights, quantized from (not requantizing)
+    sparsity: str | None = None  # predicted neurons: "auto" (by max_kld) or the groups a token reads (a number)
     tuned: bool = True  # stream by a plan --tune made for this model, budget and machine, where there is one
     chat: bool = False  # a conversation read from stdin (run -cnv; the prompt is its system message, if any)
     verbose: bool = False
@@ -139,11 +140,13 @@ class Placement:
 
 @dataclass(frozen=True)
 class Precision:
-    """Lowered precision under the budget (--precision auto, --max-kld, --min-tok-s, --original)."""
+    """Lowered precision under the budget (--precision auto, --max-kld, --min-tok-s, --original), or predicted
+    neurons (--sparsity auto or K, by --max-kld)."""
     mode: str | None = "auto"
     max_kld: float | None = None
     min_tok_s: float | None = None
     original: str | None = None
+    sparsity: str | None = None
 
 
 def request(model, prompt: str, generation: Generation = Generation(), budget: Budget = Budget(),
@@ -163,7 +166,7 @@ def request(model, prompt: str, generation: Generation = Generation(), budget: B
                    n_gpu_layers=p.n_gpu_layers, placement=p.policy, n_ubatch=g.n_ubatch, flash_attn=g.flash_attn,
                    cache_type_k=g.cache_type_k, cache_type_v=g.cache_type_v, move_back=b.move_back,
                    precision=q.mode, max_kld=q.max_kld, min_tok_s=q.min_tok_s, original=q.original,
-                   tuned=b.tuned, verbose=g.verbose)
+                   sparsity=q.sparsity, tuned=b.tuned, verbose=g.verbose)
 
 
 @dataclass
@@ -228,8 +231,17 @@ def _check(r: Request) -> None:
         raise FlexoffloadError("--precision auto plans precision with residency under --mem: not with --plan, --rpc "
                                "or another --strategy, for now")
     from flexoffload.plan import mixed
+    from flexoffload.plan import sparsity
 
-    mixed.check_options(r.precision, r.max_kld, r.min_tok_s, r.original)
+    if r.sparsity is not None:
+        if sparsity.parse(r.sparsity) != "auto" and r.max_kld is not None:
+            raise FlexoffloadError("--max-kld goes with --sparsity auto (or --precision auto)")
+        if r.precision or r.draft or r.rpc or r.plan_dir or r.chat:
+            raise FlexoffloadError("--sparsity: not with --precision, -md, --rpc, --plan or -cnv, for now")
+        if r.min_tok_s is not None or r.original:
+            raise FlexoffloadError("--min-tok-s and --original go with --precision auto")
+    else:
+        mixed.check_options(r.precision, r.max_kld, r.min_tok_s, r.original)
 
 
 def _kv_quantized(r: Request) -> bool:
@@ -509,6 +521,56 @@ def _precision_plan(r: Request, model, limit: int):
     return replace(r, model=plan.model, plan_dir=str(directory)), load(plan.model)
 
 
+def _sparse(r: Request, model, limit: int | None, notes: list[str]):
+    """run --sparsity: the file of predicted neuron groups at the level asked for, or chosen (auto: the fewest
+    groups within --max-kld, then only where its plan is predicted faster than the dense model's)."""
+    from flexoffload.gguf import moefy
+    from flexoffload.gguf.model import load
+    from flexoffload.measure import sparsity as measured
+    from flexoffload.plan import sparsity as levels
+
+    measured.check(model)
+    want = levels.parse(r.sparsity)
+    dense = replace(r, sparsity=None, max_kld=None)
+
+    def say(msg: str) -> None:  # a first build or profile takes minutes: say what it is doing
+        print(f"flexoffload: {msg}", file=sys.stderr, flush=True)
+
+    s = measured.load_cached(model)  # the grouping profile --neurons made, if it ran
+    if want == "auto" and s is None:
+        say(f"--sparsity auto: measuring {model.path.name}'s predicted neurons first (profile --neurons; cached, "
+            "minutes)")
+        s = measured.measure(model, say=say, n_threads=r.n_threads)
+    if want == "auto":
+        level = levels.choose(s, r.max_kld)
+        if level is None:
+            notes.append(f"flexoffload: --sparsity auto: no level of {model.path.name}'s predicted neurons is within "
+                         f"the KL divergence bound but reading every group: running the dense model")
+            return dense, model
+        grouped, k, n_group = Path(s.file), level.n_used, s.n_group
+        what = f"KL divergence {level.kld:.3f} held out, {level.read_share:.0%} of the weights a token"
+    else:
+        grouped = Path(s.file) if s and Path(s.file).is_file() else measured.build(
+            model, s.n_group if s else measured.GROUPS, s.n_hot if s else None, say=say, n_threads=r.n_threads)[0]
+        k, n_group, what = want, moefy.used(grouped), "KL divergence: profile --neurons"
+        if k > n_group:
+            raise FlexoffloadError(f"--sparsity {k}: {model.path.name} has {n_group} groups a layer")
+    path = moefy.with_used(grouped, k)
+    sparse = load(path)
+    # the budget stays the named model's (0.4x of the dense file): in bytes from here, child runs included
+    decided = replace(dense, model=str(path), mem=str(limit) if limit is not None else None)
+    if want == "auto" and limit is not None and r.strategy == "stream":
+        alone, grouped_plan = plan_for_run(model, dense, limit), plan_for_run(sparse, decided, limit)
+        if alone is not None and grouped_plan is not None \
+                and alone.predicted_tok_s >= grouped_plan.predicted_tok_s:
+            notes.append(f"flexoffload: --sparsity auto: {k} of {n_group} groups a token is predicted "
+                         f"{grouped_plan.predicted_tok_s:.2f} tok/s, the dense model {alone.predicted_tok_s:.2f}: "
+                         f"running the dense model")
+            return dense, model
+    notes.append(f"flexoffload: predicted neurons: {k} of {n_group} groups a token ({what})")
+    return decided, sparse
+
+
 def prepare(request: Request, n_seq_max: int = 1) -> Prepared:
     """Everything before loading: the model, the budget, the plan, and whether the draft pays at this budget.
     n_seq_max: the sequences decoded together (serve's -np): the plan counts a decode batch and a logits row of each.
@@ -537,12 +599,14 @@ def prepare(request: Request, n_seq_max: int = 1) -> Prepared:
         r, model = _precision_plan(r, model, limit)
         # decided: the plan is the request now, and a child run must not plan precision again
         r = replace(r, precision=None, max_kld=None, min_tok_s=None, original=None)
+    notes = []
+    if r.sparsity is not None:  # decided here: the request then runs the grouped file (or the dense one)
+        r, model = _sparse(r, model, limit, notes)
     if r.rpc:  # llama.cpp aborts on a server it cannot reach: each is asked first, for a one-line error
         from flexoffload.native import devices
 
         for endpoint in devices.parse_endpoints(r.rpc):
             devices.probe_rpc(endpoint)
-    notes = []
     if not r.draft and n_seq_max == 1 and _free_types(r):  # free drafters, or auto deciding on them
         prepared, r = _prepare_free(model, r, limit, notes)  # (a tree's prompt is read at -b, as -md's)
         if prepared is not None:
@@ -563,7 +627,7 @@ def prepare(request: Request, n_seq_max: int = 1) -> Prepared:
         plan = plan_for_run(model, r, limit, n_seq_max, n_seq_max)
         if plan is not None and plan.policy == tuning.MMAP:  # plan --tune measured mmap faster at this budget
             return Prepared(replace(r, strategy="mmap", plan_dir=None), model, limit, None,
-                            notes=[tuning.mmap_note(plan)])
+                            notes=notes + [tuning.mmap_note(plan)])
         if plan is not None and plan.placed and not r.rpc:
             raise FlexoffloadError(f"the plan in {r.plan_dir} places tensors on "
                                    f"{', '.join(dict.fromkeys(b for _, b in plan.placed))}: give their servers "
@@ -572,7 +636,7 @@ def prepare(request: Request, n_seq_max: int = 1) -> Prepared:
                 and r.policy == "balanced" and r.window is None:
             note = _mmap_instead(model, plan, r.n_threads)
             if note:
-                return Prepared(replace(r, strategy="mmap"), model, limit, None, notes=[note])
+                return Prepared(replace(r, strategy="mmap"), model, limit, None, notes=notes + [note])
         prepared = Prepared(r, model, limit, plan, notes=notes)
         setting = _step_setting(r)
         if setting is not None and not r.rpc and r.move_back:

@@ -69,8 +69,8 @@ def _precision_options(f):
     f = click.option("--min-tok-s", type=float, default=None,
                      help="with --precision auto: instead, the least harm that reaches this predicted tok/s")(f)
     f = click.option("--max-kld", type=float, default=None,
-                     help="with --precision auto: the fastest plan whose summed KL divergence is at most this "
-                          "[0.05]")(f)
+                     help="with --precision auto: the fastest plan whose summed KL divergence is at most this; "
+                          "with --sparsity auto: the fewest neuron groups within it [0.05]")(f)
     return click.option("--precision", type=click.Choice(["auto"]), default=None,
                         help="with --mem: lower some tensors' types where it costs the least quality per byte saved "
                              "(profile --precision measures it) [default: the file's own types]")(f)

@@ -129,6 +129,32 @@ def _profile_experts(model, threads, slots, file, batch, remeasure, as_json) -> 
                f"tok/s: decode, the misses read at the disk's bandwidth, none overlapping compute (docs/experts.md)")
 
 
+def _profile_neurons(model, threads: int, n_group: int, levels: str | None, as_json: bool) -> None:
+    """profile --neurons: measure/sparsity.py's grouped file and levels, progress on stderr, then the table."""
+    from flexoffload.measure import sparsity
+
+    try:
+        used = tuple(int(k) for k in levels.split(",")) if levels else None
+    except ValueError:
+        raise FlexoffloadError(f"--levels takes whole numbers, a comma list, not {levels}") from None
+    s = sparsity.measure(model, used, n_group, say=lambda m: click.echo(f"flexoffload: {m}", err=True),
+                         n_threads=threads)
+    if as_json:
+        click.echo(json.dumps(s.to_dict()))
+        return
+    click.echo(f"{model.path.name}: {s.n_hot} hot neurons and {s.n_group} groups of {s.group_width} a layer "
+               f"({Path(s.file).name}); KL divergence against the file on held-out text, the predictor on held-out "
+               f"calibration tokens")
+    click.echo(f"{'groups':>7} {'FFN read':>9} {'weights':>8} {'KLD':>14} {'same top':>9} {'ppl':>7} "
+               f"{'mass':>6} {'best':>6} {'recall':>7}")
+    for x in s.levels:
+        click.echo(f"{x.n_used:>7} {x.ffn_share:>9.1%} {x.read_share:>8.1%} {x.kld:>7.4f} ±{x.kld_err:.4f} "
+                   f"{x.same_top:>9.1%} {x.ppl:>7.3f} {x.mass:>6.3f} {x.best_mass:>6.3f} {x.recall:>7.3f}")
+    click.echo(f"dense perplexity {s.levels[0].ppl_dense:.3f}; mass: the share of a token's FFN output the hot set "
+               "and the predicted groups hold (best: the best groups'); recall: of the best groups, the share "
+               "predicted")
+
+
 @click.command()
 @click.option("-m", "--model", "model_spec", metavar="MODEL", help=f"GGUF path or catalog name [default: {catalog.DEFAULT_MODEL}]")
 @click.option("-t", "--threads", default=os.cpu_count() or 1, show_default=True)
@@ -154,10 +180,16 @@ def _profile_experts(model, threads, slots, file, batch, remeasure, as_json) -> 
                                                  "one token's, a quarter, half, three quarters of the experts]")
 @click.option("-f", "--file", "text_file", metavar="FILE",
               help="with --experts: the text to trace [default: HumanEval 0-39 with solutions]")
+@click.option("--neurons", is_flag=True,
+              help="a dense model's FFN neurons as a hot set and groups a predictor picks (cached): at each level, "
+                   "the KL divergence, the bytes a token reads and the predictor's recall, for run --sparsity")
+@click.option("--neuron-groups", default=32, show_default=True, help="with --neurons: groups a layer")
+@click.option("--levels", metavar="K,K,...", default=None,
+              help="with --neurons: the groups a token reads, measured [default: 16,20,24,28,30,32 of 32]")
 @click.option("--json", "as_json", is_flag=True)
 @_errors_as_one_line
 def profile(model_spec, threads, remeasure, ops, batch_size, rpc, precision, n_groups, ladder, experts, slots,
-            text_file, as_json):
+            text_file, neurons, neuron_groups, levels, as_json):
     """Measure disk bandwidth and compute speed for the cost model (cached per model file)."""
     from flexoffload.gguf.model import load
     from flexoffload.measure import profile as profiler
@@ -168,6 +200,11 @@ def profile(model_spec, threads, remeasure, ops, batch_size, rpc, precision, n_g
         raise FlexoffloadError("--rpc profiles the servers' devices with --ops")
     if (slots or text_file) and not experts:
         raise FlexoffloadError("--slots and -f go with --experts")
+    if (levels or neuron_groups != 32) and not neurons:
+        raise FlexoffloadError("--neuron-groups and --levels go with --neurons")
+    if neurons:
+        _profile_neurons(model, threads, neuron_groups, levels, as_json)
+        return
     if experts:
         _profile_experts(model, threads, slots, text_file, batch_size or 512, remeasure, as_json)
         return

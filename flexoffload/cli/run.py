@@ -20,7 +20,8 @@ def request_from_flags(model_spec, prompt, prompt_file, n_predict, ctx_size, bat
                        spec_mode, no_pacer, no_adaptive, no_adaptive_split, pipeline, draft_always, tuned, verbose,
                        rpc=None, n_gpu_layers=0, placement="auto", n_ubatch=0, flash_attn="auto",
                        cache_type_k="f16", cache_type_v="f16", precision=None, max_kld=None, min_tok_s=None,
-                       original=None, expert_slots=None, spec_type="auto", expert_reads="auto", tiled_verify=False):
+                       original=None, expert_slots=None, spec_type="auto", expert_reads="auto", tiled_verify=False,
+                       sparsity=None):
     """api.Request from `run`'s flags (the prompt read from -f as llama.cpp reads it)."""
     from flexoffload import api
 
@@ -33,7 +34,7 @@ def request_from_flags(model_spec, prompt, prompt_file, n_predict, ctx_size, bat
         verbose=verbose, rpc=rpc, n_gpu_layers=n_gpu_layers, placement=placement, n_ubatch=n_ubatch,
         flash_attn=flash_attn, cache_type_k=cache_type_k, cache_type_v=cache_type_v, precision=precision,
         max_kld=max_kld, min_tok_s=min_tok_s, original=original, expert_slots=expert_slots, spec_type=spec_type,
-        expert_reads=expert_reads, tiled_verify=tiled_verify)
+        expert_reads=expert_reads, tiled_verify=tiled_verify, sparsity=sparsity)
 
 
 def request_from_args(args: list[str]):
@@ -112,6 +113,10 @@ def request_from_args(args: list[str]):
 @click.option("--placement", type=click.Choice(PLACEMENTS), default="auto", show_default=True,
               help="with --rpc and --mem: how weights are placed across the devices")
 @_precision_options
+@click.option("--sparsity", default=None, metavar="auto|K",
+              help="predicted neurons: each FFN's hot neurons and the K of its groups a predictor picks (auto: the "
+                   "fewest within --max-kld, where that is predicted faster than the dense model); profile "
+                   "--neurons measures them [default: dense]")
 @click.option("-cnv", "--conversation", is_flag=True,
               help="chat at the terminal in the model's chat template, the history kept (-p, -f or -sys: the "
                    "system message; -n: each reply's limit, to the end of its turn by default)")
@@ -124,7 +129,7 @@ def run(model_spec, prompt, prompt_file, n_predict, ctx_size, batch_size, n_ubat
         mem, enforce, strategy, policy, plan_dir, window, io_threads, draft_spec, draft_max, draft_p_split, spec_mode,
         no_pacer, no_adaptive, no_adaptive_split, pipeline, draft_always, tuned, rpc, n_gpu_layers, placement,
         precision, max_kld, min_tok_s, original, expert_slots, expert_reads, conversation, system_prompt, as_json,
-        verbose, spec_type, tiled_verify):
+        verbose, spec_type, tiled_verify, sparsity):
     """Generate text from a prompt (with -md: speculation by a resident draft model; -cnv: a conversation)."""
     from flexoffload import FlexoffloadError, api
 
@@ -144,7 +149,7 @@ def run(model_spec, prompt, prompt_file, n_predict, ctx_size, batch_size, n_ubat
                                  draft_always, tuned, verbose, rpc, n_gpu_layers, placement, n_ubatch, flash_attn,
                                  cache_type_k, cache_type_v, precision, max_kld, min_tok_s, original,
                                  expert_slots=expert_slots, spec_type=spec_type, expert_reads=expert_reads,
-                                 tiled_verify=tiled_verify)
+                                 tiled_verify=tiled_verify, sparsity=sparsity)
     request = replace(request, chat=conversation)
     if conversation and not as_json and sys.stdin.isatty():
         click.echo(f"flexoffload: a conversation ({chat_help})", err=True)

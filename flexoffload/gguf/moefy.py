@@ -205,3 +205,44 @@ def write(src: str | os.PathLike, dst: str | os.PathLike, splits: list[LayerSpli
     w.close()
     os.replace(tmp, dst)
     return dst
+
+
+def used(path: str | os.PathLike) -> int:
+    """The experts a token routes to, as the file says (glm4moe.expert_used_count)."""
+    import gguf
+
+    return int(gguf.GGUFReader(path).fields[f"{ARCH}.expert_used_count"].contents())
+
+
+def override_used(n_expert_used: int) -> list[str]:
+    """The llama.cpp tools' arguments that load a glm4moe file routing to n_expert_used experts a token."""
+    return ["--override-kv", f"{ARCH}.expert_used_count=int:{n_expert_used}"]
+
+
+def with_used(src: str | os.PathLike, n_expert_used: int, dst: str | os.PathLike | None = None) -> Path:
+    """A copy of the glm4moe file at src that routes each token to n_expert_used experts (default: beside src, named
+    <stem>-k<n>.gguf), made once: the header's expert_used_count is the only byte that differs. A copy, not a load-time
+    override, so every tool (llama-completion, the planner, a saved plan) sees the same file."""
+    import shutil
+
+    import gguf
+
+    src = Path(src)
+    dst = Path(dst) if dst else src.with_name(f"{src.stem}-k{n_expert_used}.gguf")
+    reader = gguf.GGUFReader(src)
+    if reader.fields["general.architecture"].contents() != ARCH:
+        raise FlexoffloadError(f"{src.name} is not a {ARCH} file of experts")
+    n_expert = int(reader.fields[f"{ARCH}.expert_count"].contents())
+    if not 0 < n_expert_used <= n_expert:
+        raise FlexoffloadError(f"experts used per token must be between 1 and {n_expert}, not {n_expert_used}")
+    if dst.is_file() and dst.stat().st_size == src.stat().st_size and used(dst) == n_expert_used:
+        return dst
+    tmp = dst.with_name(dst.name + ".part")
+    shutil.copyfile(src, tmp)
+    copy = gguf.GGUFReader(tmp, "r+")
+    field = copy.fields[f"{ARCH}.expert_used_count"]
+    field.parts[field.data[0]][0] = n_expert_used
+    copy.data.flush()
+    del copy, field
+    os.replace(tmp, dst)
+    return dst

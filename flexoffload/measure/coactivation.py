@@ -159,6 +159,7 @@ class SplitQuality:
     routed: float  # the router's choice
     oracle: float  # the k experts that hold the most (the clustering's bound)
     random: float  # the best k of experts made of random neurons (what clustering adds over no clustering)
+    recall: float = 0.0  # of the k experts that hold the most, the share the router chose
 
 
 def contributions(activations: np.ndarray, down_norms: np.ndarray) -> np.ndarray:
@@ -261,21 +262,36 @@ def split(inputs: np.ndarray, activations: np.ndarray, norms: np.ndarray, n_expe
     reach = float(np.abs(scores).max()) or 1.0
     router = (weights.T / reach).astype(np.float32)  # scores within +-1 on the calibration text (moefy's contract)
     layer = LayerSplit(shared=shared, experts=experts, router=router)
+    return layer, (route_quality(layer, inputs[held], c[held], used, seed) if used else [])
 
+
+def route_quality(layer: LayerSplit, inputs: np.ndarray, contrib: np.ndarray, used: tuple[int, ...],
+                  seed: int = 0) -> list[SplitQuality]:
+    """What a split holds on tokens it was not fitted on (inputs: (T, n_embd), contrib: their contributions
+    (T, n_ff)), for each number of experts used: the share of a token's mass in the shared expert and the router's
+    k, the best k, and the best k of random-neuron experts; and the router's recall of the best k."""
+    import numpy as np
+
+    if not len(contrib):
+        return []
+    scores = inputs.astype(np.float64) @ layer.router.T.astype(np.float64)
+    total = contrib.sum(axis=1)
+    base = contrib[:, layer.shared].sum(axis=1)
+    mass = np.stack([contrib[:, e].sum(axis=1) for e in layer.experts], axis=1)  # (T, n_expert)
+    routed = np.sort(layer.experts.ravel())
+    scrambled = np.random.default_rng(seed).permutation(routed).reshape(layer.n_expert, -1)
+    random_mass = np.stack([contrib[:, e].sum(axis=1) for e in scrambled], axis=1)
     quality = []
-    if used and held.stop > held.start:
-        total = c[held].sum(axis=1)
-        base = c[held][:, shared].sum(axis=1)
-        held_mass = mass[held]
-        rng = np.random.default_rng(seed)
-        scrambled = rng.permutation(routed).reshape(n_expert, -1)
-        random_mass = np.stack([c[held][:, e].sum(axis=1) for e in scrambled], axis=1)
-        for k in used:
-            pick = np.argsort(-scores[held], axis=1)[:, :k]
-            routed_share = np.take_along_axis(held_mass, pick, axis=1).sum(axis=1)
-            oracle_share = -np.sort(-held_mass, axis=1)[:, :k].sum(axis=1)
-            random_share = -np.sort(-random_mass, axis=1)[:, :k].sum(axis=1)
-            quality.append(SplitQuality(k, float(((base + routed_share) / total).mean()),
-                                        float(((base + oracle_share) / total).mean()),
-                                        float(((base + random_share) / total).mean())))
-    return layer, quality
+    for k in used:
+        pick = np.argsort(-scores, axis=1)[:, :k]
+        best = np.argsort(-mass, axis=1)[:, :k]
+        routed_share = np.take_along_axis(mass, pick, axis=1).sum(axis=1)
+        oracle_share = np.take_along_axis(mass, best, axis=1).sum(axis=1)
+        random_share = -np.sort(-random_mass, axis=1)[:, :k].sum(axis=1)
+        chosen = np.zeros_like(mass, dtype=bool)
+        np.put_along_axis(chosen, pick, True, axis=1)
+        recall = np.take_along_axis(chosen, best, axis=1).mean()
+        quality.append(SplitQuality(k, float(((base + routed_share) / total).mean()),
+                                    float(((base + oracle_share) / total).mean()),
+                                    float(((base + random_share) / total).mean()), float(recall)))
+    return quality

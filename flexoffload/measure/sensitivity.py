@@ -132,10 +132,11 @@ def kld_base(model: Model, text: str, n_ctx: int = KLD_CTX, n_chunks: int = KLD_
 
 
 def kld(path: Path, base: Path, text: str, n_ctx: int = KLD_CTX, n_chunks: int = KLD_CHUNKS,
-        n_threads: int | None = None) -> dict:
+        n_threads: int | None = None, extra: list[str] = ()) -> dict:
     """The model at path against the base log-probabilities: mean KL divergence (and its error), perplexity, and
-    how often the top token is the same."""
-    out = _perplexity(path, text, n_ctx, n_chunks, n_threads, ["--kl-divergence-base", str(base), "--kl-divergence"])
+    how often the top token is the same. extra: more llama-perplexity arguments (an --override-kv)."""
+    out = _perplexity(path, text, n_ctx, n_chunks, n_threads,
+                      ["--kl-divergence-base", str(base), "--kl-divergence", *extra])
     return parse_kld(out)
 
 
