@@ -283,9 +283,10 @@ def _free_types(r: Request) -> list[str]:
 def _free_pays(model, r: Request, limit: int | None) -> bool:
     """--spec-type auto without -md: whether free drafters pay, by a simple rule: where the run streams by a plan
     whose one-token pass takes FREE_PAYS times the target's compute or more (the disk, not compute, sets the pass, so
-    a tree costs little more than a token)."""
+    a tree costs little more than a token). Not for a mixture of experts (predicted neurons too): each of a tree's
+    tokens reads its own experts, so a pass reads more than a token's."""
     if (limit is None or r.strategy != "stream" or r.plan_dir or r.rpc or r.chat or r.n_ubatch
-            or r.flash_attn != "auto" or _kv_quantized(r)):
+            or r.flash_attn != "auto" or _kv_quantized(r) or model.n_expert):
         return False
     from flexoffload.measure import profile as profiler
     from flexoffload.plan import plan as plans
@@ -560,7 +561,13 @@ def _sparse(r: Request, model, limit: int | None, notes: list[str]):
     # the budget stays the named model's (0.4x of the dense file): in bytes from here, child runs included
     decided = replace(dense, model=str(path), mem=str(limit) if limit is not None else None)
     if want == "auto" and limit is not None and r.strategy == "stream":
-        alone, grouped_plan = plan_for_run(model, dense, limit), plan_for_run(sparse, decided, limit)
+        alone = plan_for_run(model, dense, limit)
+        try:
+            grouped_plan = plan_for_run(sparse, decided, limit)
+        except FlexoffloadError as e:  # the grouped file's larger ffn_down can need more than the budget
+            notes.append(f"flexoffload: --sparsity auto: {k} of {n_group} groups a token does not fit ({e}): "
+                         f"running the dense model")
+            return dense, model
         if alone is not None and grouped_plan is not None \
                 and alone.predicted_tok_s >= grouped_plan.predicted_tok_s:
             notes.append(f"flexoffload: --sparsity auto: {k} of {n_group} groups a token is predicted "
