@@ -72,7 +72,9 @@ def capture(model: Model, say=None, n_threads: int | None = None) -> Path:
     from flexoffload.measure import coactivation
 
     text = sensitivity.calibration_text()
-    folder = cache_dir() / "moe_testbed" / f"capture-{content_key(file_key(model.path), text, str(N_CTX), CAPTURE_VERSION)}"
+    # beside the MoE test bed's (scripts/moe_testbed), which is this same file at another k
+    key = content_key(file_key(model.path), text, str(N_CTX), CAPTURE_VERSION)
+    folder = cache_dir() / "moe_testbed" / f"capture-{key}"
     if (folder / "done").is_file():
         return folder
     _say(say, f"capturing the FFN inputs and activations of {model.path.name} over the calibration text "
@@ -159,8 +161,8 @@ def default_used(n_group: int) -> tuple[int, ...]:
     return tuple(sorted({max(1, round(k * n_group / GROUPS)) for k in USED}))
 
 
-def measure(model: Model, used: tuple[int, ...] | None = None, n_group: int = GROUPS, n_hot: int | None = None, say=None,
-            n_threads: int | None = None, on_level=None) -> Sparsity:
+def measure(model: Model, used: tuple[int, ...] | None = None, n_group: int = GROUPS, n_hot: int | None = None,
+            say=None, n_threads: int | None = None, on_level=None) -> Sparsity:
     """profile --neurons: the grouped file and each level's quality (the KL divergence takes a few minutes a level
     on the 1.5B; each is cached). on_level(Level) as each is measured."""
     n_hot = layout(model.n_ff, n_group)[1] if n_hot is None else n_hot
