@@ -129,7 +129,7 @@ def _profile_experts(model, threads, slots, file, batch, remeasure, as_json) -> 
                f"tok/s: decode, the misses read at the disk's bandwidth, none overlapping compute (docs/experts.md)")
 
 
-def _profile_neurons(model, threads: int, n_group: int, levels: str | None, as_json: bool) -> None:
+def _profile_neurons(model, threads: int, n_group: int | None, levels: str | None, as_json: bool) -> None:
     """profile --neurons: measure/sparsity.py's grouped file and levels, progress on stderr, then the table."""
     from flexoffload.measure import sparsity
 
@@ -137,7 +137,7 @@ def _profile_neurons(model, threads: int, n_group: int, levels: str | None, as_j
         used = tuple(int(k) for k in levels.split(",")) if levels else None
     except ValueError:
         raise FlexoffloadError(f"--levels takes whole numbers, a comma list, not {levels}") from None
-    s = sparsity.measure(model, used, n_group, say=lambda m: click.echo(f"flexoffload: {m}", err=True),
+    s = sparsity.measure(model, used, n_group or sparsity.GROUPS, say=lambda m: click.echo(f"flexoffload: {m}", err=True),
                          n_threads=threads)
     if as_json:
         click.echo(json.dumps(s.to_dict()))
@@ -183,7 +183,7 @@ def _profile_neurons(model, threads: int, n_group: int, levels: str | None, as_j
 @click.option("--neurons", is_flag=True,
               help="a dense model's FFN neurons as a hot set and groups a predictor picks (cached): at each level, "
                    "the KL divergence, the bytes a token reads and the predictor's recall, for run --sparsity")
-@click.option("--neuron-groups", default=32, show_default=True, help="with --neurons: groups a layer")
+@click.option("--neuron-groups", type=click.IntRange(min=1), default=None, help="with --neurons: groups a layer [32]")
 @click.option("--levels", metavar="K,K,...", default=None,
               help="with --neurons: the groups a token reads, measured [default: 16,20,24,28,30,32 of 32]")
 @click.option("--json", "as_json", is_flag=True)
@@ -200,7 +200,7 @@ def profile(model_spec, threads, remeasure, ops, batch_size, rpc, precision, n_g
         raise FlexoffloadError("--rpc profiles the servers' devices with --ops")
     if (slots or text_file) and not experts:
         raise FlexoffloadError("--slots and -f go with --experts")
-    if (levels or neuron_groups != 32) and not neurons:
+    if (levels or neuron_groups is not None) and not neurons:
         raise FlexoffloadError("--neuron-groups and --levels go with --neurons")
     if neurons:
         _profile_neurons(model, threads, neuron_groups, levels, as_json)

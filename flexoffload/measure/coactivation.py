@@ -253,11 +253,11 @@ def split(inputs: np.ndarray, activations: np.ndarray, norms: np.ndarray, n_expe
     experts = coactive_groups(c[fit], routed, n_expert, seed)
 
     # the router: an expert's score predicts its contribution mass from what the FFN reads
-    mass = np.stack([c[:, e].sum(axis=1) for e in experts], axis=1)  # (T, n_expert)
+    mass = np.stack([c[fit][:, e].sum(axis=1) for e in experts], axis=1)  # (fit tokens, n_expert)
     x = inputs[fit].astype(np.float64)
     gram = x.T @ x
     gram += RIDGE * np.trace(gram) / gram.shape[0] * np.eye(gram.shape[0])
-    weights = np.linalg.solve(gram, x.T @ mass[fit])  # (n_embd, n_expert)
+    weights = np.linalg.solve(gram, x.T @ mass)  # (n_embd, n_expert)
     scores = inputs.astype(np.float64) @ weights
     reach = float(np.abs(scores).max()) or 1.0
     router = (weights.T / reach).astype(np.float32)  # scores within +-1 on the calibration text (moefy's contract)

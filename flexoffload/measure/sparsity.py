@@ -115,8 +115,7 @@ def split(model: Model, folder: Path, n_group: int, n_hot: int, say=None):
     return splits, quality
 
 
-def build(model: Model, n_group: int = GROUPS, n_hot: int | None = None, used: tuple[int, ...] = (), say=None,
-          n_threads: int | None = None):
+def build(model: Model, n_group: int = GROUPS, n_hot: int | None = None, say=None, n_threads: int | None = None):
     """The grouped file of a dense model (every group used; cached): (its path, per layer the split's quality).
     n_hot None: as layout() says."""
     check(model)
@@ -124,8 +123,6 @@ def build(model: Model, n_group: int = GROUPS, n_hot: int | None = None, used: t
     n_hot = layout(n_ff, n_group)[1] if n_hot is None else n_hot
     if n_group < 1 or not 0 < n_hot < n_ff or (n_ff - n_hot) % n_group:
         raise FlexoffloadError(f"{n_ff} neurons less {n_hot} hot ones do not make {n_group} equal groups")
-    if any(not 0 < k <= n_group for k in used):
-        raise FlexoffloadError(f"groups read a token must be between 1 and {n_group}")
     folder = capture(model, say, n_threads)
     splits, quality = split(model, folder, n_group, n_hot, say)
     key = content_key(file_key(model.path), folder.name, str(n_group), str(n_hot), DOWN_TYPE, SPLIT_VERSION,
@@ -167,7 +164,9 @@ def measure(model: Model, used: tuple[int, ...] | None = None, n_group: int = GR
     on the 1.5B; each is cached). on_level(Level) as each is measured."""
     n_hot = layout(model.n_ff, n_group)[1] if n_hot is None else n_hot
     used = default_used(n_group) if used is None else used
-    grouped, quality = build(model, n_group, n_hot, used, say, n_threads)
+    if any(not 0 < k <= n_group for k in used):  # before the build's minutes
+        raise FlexoffloadError(f"groups read a token must be between 1 and {n_group}")
+    grouped, quality = build(model, n_group, n_hot, say, n_threads)
     g = load(grouped)
     width = (model.n_ff - n_hot) // n_group
     levels = []
