@@ -5,6 +5,8 @@ with GGML_CPU_SPLIT_KV=1 (patch 0016 off: upstream splits a lone token's attenti
 cells), and with it at flexoffload's 0.
 
     scripts/checks/check_equality.py -n 64 --problems 6 -o results/equality_qwen1.5b.csv
+    scripts/checks/check_equality.py --sparsity 28 ...   # run --sparsity 28 against llama-completion on that
+                                                         # level's file (profile --neurons first); no -md run
 
 Below 512 cells both references must equal every run; past it upstream's split may differ at a near tie
 (docs/speculation.md). A row per prompt and run; `cells` is the prompt's tokens plus those generated.
@@ -48,14 +50,27 @@ def main() -> None:
     ap.add_argument("-n", "--n-predict", type=int, default=64)
     ap.add_argument("-c", "--ctx-size", type=int, default=2048)
     ap.add_argument("--problems", type=int, default=6, help="HumanEval problems of 40-163, evenly spaced")
+    ap.add_argument("--sparsity", type=int, default=None, help="every run with --sparsity K, against that level's file")
     ap.add_argument("-o", "--output", required=True)
     a = ap.parse_args()
     model = str(models.resolve(a.model))
+    reference, runs = model, RUNS
+    if a.sparsity:  # the file run --sparsity K runs (a copy of the grouped file at K) is what llama.cpp must match
+        from flexoffload.gguf import moefy
+        from flexoffload.gguf.model import load
+        from flexoffload.measure import sparsity
+
+        grouped = sparsity.load_cached(load(model))
+        if grouped is None:
+            sys.exit("no profile --neurons of the model: run it first")
+        reference = str(moefy.with_used(grouped.file, a.sparsity))
+        runs = {f"{name} --sparsity {a.sparsity}": [*extra, "--sparsity", str(a.sparsity)]
+                for name, extra in RUNS.items() if "-md" not in extra}
     rows = []
     for task, prompt in humaneval.prompts(humaneval.evaluation_ids(a.problems)):
-        upstream = llama_completion(model, prompt, a.n_predict, a.ctx_size, "1")
-        ours_ref = llama_completion(model, prompt, a.n_predict, a.ctx_size, "0")
-        for name, extra in RUNS.items():
+        upstream = llama_completion(reference, prompt, a.n_predict, a.ctx_size, "1")
+        ours_ref = llama_completion(reference, prompt, a.n_predict, a.ctx_size, "0")
+        for name, extra in runs.items():
             cmd = [sys.executable, "-m", "flexoffload", "run", "-m", model, "-p", prompt, "-n", str(a.n_predict),
                    "--temp", "0", "-t", "2", "-c", str(a.ctx_size), "--json", *extra]
             r = subprocess.run(cmd, capture_output=True, text=True, timeout=900, stdin=subprocess.DEVNULL)
