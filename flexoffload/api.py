@@ -30,11 +30,11 @@ from pathlib import Path
 
 from flexoffload import FlexoffloadError
 from flexoffload.defaults import IO_THREADS, STRATEGIES, WINDOW, cache_dir, file_key
-from flexoffload.gguf import models as catalog
-from flexoffload.measure import footprint
-from flexoffload.measure import tune as tuning
-from flexoffload.memory import budget as budgets
-from flexoffload.memory.budget import MiB, format_size
+from flexoffload.gguf import catalog
+from flexoffload.measure import probe
+from flexoffload.measure import tuning
+from flexoffload.memory import budgets
+from flexoffload.memory.budgets import MiB, format_size
 
 
 @dataclass
@@ -76,8 +76,8 @@ class Request:
     cache_type_k: str = "f16"  # the KV cache's types (-ctk, -ctv)
     cache_type_v: str = "f16"
     move_back: bool = True  # after the prompt, the compute buffers' memory goes to weights (False: an ablation)
-    precision: str | None = None  # "auto": lower some tensors' types under --mem (mixed.py), by the bound below
-    max_kld: float | None = None  # with precision: the fastest plan within this KL divergence (default mixed.py's)
+    precision: str | None = None  # "auto": lower some tensors' types under --mem (plan/mixed.py), by the bound below
+    max_kld: float | None = None  # with precision: the fastest plan within this KL divergence (default plan/mixed.py's)
     min_tok_s: float | None = None  # with precision: the least harm reaching this predicted tok/s
     original: str | None = None  # with precision: the model's F16/BF16 weights, quantized from (not requantizing)
     sparsity: str | None = None  # predicted neurons: "auto" (by max_kld) or the groups a token reads (a number)
@@ -180,7 +180,7 @@ class Prepared:
     draft_bytes: int = 0
     notes: list[str] = field(default_factory=list)  # what the caller should tell the user (stderr)
     decode_ubatch: int = 0  # after the prompt, the context's ubatch (its compute buffers shrink); 0: unchanged
-    resident_after_prefill: tuple[str, ...] = ()  # streamed tensors decode keeps resident (prefill.after_prefill)
+    resident_after_prefill: tuple[str, ...] = ()  # streamed tensors decode keeps resident (plan/prefill.after_prefill)
     decode_tok_s: float = 0.0  # decode's predicted speed with them (0: the plan's)
 
 
@@ -231,10 +231,10 @@ def _check(r: Request) -> None:
         raise FlexoffloadError("--precision auto plans precision with residency under --mem: not with --plan, --rpc "
                                "or another --strategy, for now")
     from flexoffload.plan import mixed
-    from flexoffload.plan import sparsity
+    from flexoffload.plan import levels
 
     if r.sparsity is not None:
-        if sparsity.parse(r.sparsity) != "auto" and r.max_kld is not None:
+        if levels.parse(r.sparsity) != "auto" and r.max_kld is not None:
             raise FlexoffloadError("--max-kld goes with --sparsity auto (or --precision auto)")
         if r.precision or r.draft or r.rpc or r.plan_dir or r.chat:
             raise FlexoffloadError("--sparsity: not with --precision, -md, --rpc, --plan or -cnv, for now")
@@ -288,8 +288,8 @@ def _free_pays(model, r: Request, limit: int | None) -> bool:
     if (limit is None or r.strategy != "stream" or r.plan_dir or r.rpc or r.chat or r.n_ubatch
             or r.flash_attn != "auto" or _kv_quantized(r) or model.n_expert):
         return False
-    from flexoffload.measure import profile as profiler
-    from flexoffload.plan import plan as plans
+    from flexoffload.measure import profiler
+    from flexoffload.plan import plans
     from flexoffload.plan.costmodel import compute_seconds
 
     alone = plan_for_run(model, r, limit)
@@ -331,21 +331,21 @@ def plan_for_run(model, r: Request, limit: int | None, n_outputs: int = 1, n_seq
     prefetch and sync stream every tensor but the small ones (policy none), with window 3 and 0. draft: the bytes a
     resident draft model takes out of the budget.
     """
-    from flexoffload.measure import profile as profiler
-    from flexoffload.plan import plan as plans
+    from flexoffload.measure import profiler
+    from flexoffload.plan import plans
     from flexoffload.plan.planners import check_budget, plan_budget
 
     if limit is not None:  # llama.cpp's own report of the context: refuses a model it cannot load, first
-        footprint.measure(model, r.n_ctx, r.n_batch, n_outputs, n_seq_max)
+        probe.measure(model, r.n_ctx, r.n_batch, n_outputs, n_seq_max)
     if r.strategy == "mmap":
         setting = _step_setting(r, n_outputs)
         if limit is not None and setting is None:
-            budgets.check(model, limit - draft, footprint.measure(model, r.n_ctx, r.n_batch), r.n_ctx, r.n_batch)
+            budgets.check(model, limit - draft, probe.measure(model, r.n_ctx, r.n_batch), r.n_ctx, r.n_batch)
         elif limit is not None:  # -ub, -fa or the KV types set the buffers: the dry run's costs, as for a plan
-            from flexoffload.measure import stepmem
+            from flexoffload.measure import dryrun
             from flexoffload.memory.footprint import KERNEL_FIXED, smallest_budget
 
-            costs = stepmem.run_costs(model, setting, limit)
+            costs = dryrun.run_costs(model, setting, limit)
             need = smallest_budget(sum(costs.values()) + KERNEL_FIXED + budgets.largest_layer(model))
             if limit - draft < need:
                 raise FlexoffloadError(f"budget {format_size(limit - draft)} is too small for {model.path.name} at "
@@ -360,10 +360,10 @@ def plan_for_run(model, r: Request, limit: int | None, n_outputs: int = 1, n_seq
         plans.check_fits(plan, model, limit, r.plan_dir, of)
         return plan
     if r.rpc and r.mem and r.strategy == "stream":  # placed across the servers' devices, the host's share too
-        from flexoffload.measure import placement
+        from flexoffload.measure import servers
         from flexoffload.native import devices
 
-        return placement.for_endpoints(model, devices.parse_endpoints(r.rpc), r.mem, r.placement,
+        return servers.for_endpoints(model, devices.parse_endpoints(r.rpc), r.mem, r.placement,
                                      profiler.measure(model, r.n_threads), r.n_threads, r.n_ctx, r.n_batch)
     policy, window = r.policy, r.window
     if r.tuned and r.strategy == "stream" and policy == "balanced" and window is None and limit is not None \
@@ -378,16 +378,16 @@ def plan_for_run(model, r: Request, limit: int | None, n_outputs: int = 1, n_seq
     setting = _step_setting(r, n_outputs)
     if setting is not None:
         # the ubatch, the attention path and the KV types set the buffers: their costs from llama.cpp's dry run
-        from flexoffload.measure import stepmem
+        from flexoffload.measure import dryrun
         from flexoffload.plan.planners import make_plan
 
         budget = limit if limit is not None else 4 * model.file_size + (1 << 30)
         return make_plan(model, budget, policy, profiler.measure(model, r.n_threads), window=window,
                          io_threads=r.io_threads or IO_THREADS, slots=r.expert_slots,
                          misses=expert_misses(model), whole=expert_whole(r),
-                         **stepmem.run_costs(model, setting, budget))
+                         **dryrun.run_costs(model, setting, budget))
     budget = limit if limit is not None else 4 * model.file_size + (1 << 30)
-    run = footprint.measure(model, r.n_ctx, r.n_batch, n_outputs, n_seq_max)
+    run = probe.measure(model, r.n_ctx, r.n_batch, n_outputs, n_seq_max)
     check_budget(model, budget, run, window, draft)  # a budget too small is refused before the profile runs
     return plan_budget(model, budget, policy, profiler.measure(model, r.n_threads), run, window=window,
                        io_threads=r.io_threads or IO_THREADS, draft=draft, slots=r.expert_slots,
@@ -408,8 +408,8 @@ def expert_misses(model):
     routing, which random weights do not show: they send nearly every token to the same few experts)."""
     if not model.n_expert:
         return None
-    from flexoffload.measure import experts as tracing
-    from flexoffload.plan import experts as cache
+    from flexoffload.measure import tracing
+    from flexoffload.plan import replay as cache
 
     trace = tracing.cached(model)
     if trace is None:
@@ -424,7 +424,7 @@ def expert_misses(model):
     return replayed
 
 
-LONG_PROMPT = 256  # tokens: a prompt longer than this has its prefill's ubatch chosen (prefill.py)
+LONG_PROMPT = 256  # tokens: a prompt longer than this has its prefill's ubatch chosen (plan/prefill.py)
 MMAP_TIE = 0.02  # mmap runs where predicted within this of the plan: the cost model's resolution
 
 
@@ -435,9 +435,9 @@ def _mmap_instead(model, plan, n_threads: int) -> str:
     there, and the plan can only match it. A tie goes to mmap: measured over the matrix (results/matrix.md), every
     run where mmap's cache held a token's bytes was as fast or faster with mmap (a plan streaming a few MiB a token
     lost up to 11 %; one keeping every weight resident, in memory llama.cpp allocates and locks, 0-9 %, as upstream's
-    own --mlock loses to mmap). The plan's margin (footprint.MARGIN) is for the budget's promise, not this
+    own --mlock loses to mmap). The plan's margin (probe.MARGIN) is for the budget's promise, not this
     prediction: it counts as cache."""
-    from flexoffload.measure import profile as profiler
+    from flexoffload.measure import profiler
     from flexoffload.memory.footprint import MARGIN
     from flexoffload.plan import costmodel
 
@@ -470,7 +470,7 @@ def _draft_bytes(draft_model, r: Request) -> int:
     from flexoffload.plan.planners import resident_bytes
     from flexoffload.runtime import spectree, speculate
 
-    run = footprint.measure(draft_model, r.n_ctx, r.n_batch, spectree.MAX_BRANCHES, spectree.MAX_BRANCHES)
+    run = probe.measure(draft_model, r.n_ctx, r.n_batch, spectree.MAX_BRANCHES, spectree.MAX_BRANCHES)
     return resident_bytes(draft_model, run, speculate.draft_by_rows(draft_model))
 
 
@@ -486,7 +486,7 @@ def _plan_model(r: Request) -> tuple[Path, Path] | None:
     (the file, its source), or None for any other plan."""
     if not r.plan_dir:
         return None
-    from flexoffload.plan import plan as plans
+    from flexoffload.plan import plans
 
     plan = plans.read(r.plan_dir)
     if not plan.precision:
@@ -501,12 +501,12 @@ def _plan_model(r: Request) -> tuple[Path, Path] | None:
 
 
 def _precision_plan(r: Request, model, limit: int):
-    """run --precision auto: the plan mixed.py chooses (quality not measured again: plan --precision reports it),
+    """run --precision auto: the plan measure/precision.py chooses (quality not measured again: plan --precision reports it),
     written to the cache; the request then runs the requantized file by it."""
     from flexoffload.gguf.model import load
-    from flexoffload.measure import mixed
-    from flexoffload.measure import profile as profiler
-    from flexoffload.plan import plan as plans
+    from flexoffload.measure import precision
+    from flexoffload.measure import profiler
+    from flexoffload.plan import plans
     from flexoffload.runtime import spectree
 
     run = {}
@@ -514,7 +514,7 @@ def _precision_plan(r: Request, model, limit: int):
         draft_model = load(catalog.resolve(r.draft))
         run = {"n_outputs": _tree_outputs(r), "n_seq_max": spectree.MAX_BRANCHES + 1,
                "draft": _draft_bytes(draft_model, r)}
-    plan, _ = mixed.plan(model, limit, profiler.measure(model, r.n_threads), r.n_ctx, r.n_batch, r.max_kld,
+    plan, _ = precision.plan(model, limit, profiler.measure(model, r.n_threads), r.n_ctx, r.n_batch, r.max_kld,
                          r.min_tok_s, r.n_threads, r.io_threads, measure_quality=False,
                          original=Path(r.original) if r.original else None, **run)
     directory = cache_dir() / "plans" / Path(plan.model).stem / f"{limit}-{r.n_ctx}-{r.n_batch}-{bool(r.draft)}"
@@ -528,7 +528,7 @@ def _sparse(r: Request, model, limit: int | None, notes: list[str]):
     from flexoffload.gguf import moefy
     from flexoffload.gguf.model import load
     from flexoffload.measure import sparsity as measured
-    from flexoffload.plan import sparsity as levels
+    from flexoffload.plan import levels
 
     measured.check(model)
     want = levels.parse(r.sparsity)
@@ -620,11 +620,11 @@ def prepare(request: Request, n_seq_max: int = 1) -> Prepared:
             return prepared
     if (limit is not None and r.strategy == "stream" and not r.n_ubatch and not r.plan_dir and not r.rpc
             and not r.draft and r.flash_attn == "auto" and n_prompt > LONG_PROMPT):
-        # a long prompt: the ubatch that makes the whole run fastest under the budget (prefill.py)
-        from flexoffload.measure import prefill
-        from flexoffload.measure import profile as profiler
+        # a long prompt: the ubatch that makes the whole run fastest under the budget (plan/prefill.py)
+        from flexoffload.measure import ubatches
+        from flexoffload.measure import profiler
 
-        u, _, first = prefill.choose(model, limit, n_prompt, r.n_predict, r.n_ctx, r.policy,
+        u, _, first = ubatches.choose(model, limit, n_prompt, r.n_predict, r.n_ctx, r.policy,
                                      profiler.measure(model, r.n_threads), r.n_threads, r.io_threads or IO_THREADS,
                                      type_k=r.cache_type_k, type_v=r.cache_type_v)
         r = replace(r, n_ubatch=u, n_batch=max(r.n_batch, u), flash_attn="on")
@@ -648,14 +648,14 @@ def prepare(request: Request, n_seq_max: int = 1) -> Prepared:
         setting = _step_setting(r)
         if setting is not None and not r.rpc and r.move_back:
             # decode after the prompt: the compute buffers shrink, and what they give back holds weights
-            from flexoffload.measure import profile as profiler
-            from flexoffload.measure import stepmem
+            from flexoffload.measure import profiler
+            from flexoffload.measure import dryrun
             from flexoffload.plan import prefill
 
             prepared.decode_ubatch = prefill.DECODE_UBATCH
             if plan is not None and limit is not None and r.strategy == "stream" and not r.plan_dir:
                 prepared.resident_after_prefill, prepared.decode_tok_s = prefill.after_prefill(
-                    model, plan, stepmem.room(model, setting), profiler.measure(model, r.n_threads))
+                    model, plan, dryrun.room(model, setting), profiler.measure(model, r.n_threads))
         return prepared
 
     from flexoffload.runtime import spectree
@@ -678,7 +678,7 @@ def prepare(request: Request, n_seq_max: int = 1) -> Prepared:
     prepared = Prepared(r, model, limit, plan, draft_model, draft_bytes)
     if plan and limit is not None and not r.plan_dir and not r.draft_always:
         # the draft's memory makes the target stream more: speculate only where that is predicted to pay
-        from flexoffload.measure import profile as profiler
+        from flexoffload.measure import profiler
         from flexoffload.plan.costmodel import compute_seconds
 
         alone = plan_for_run(model, r, limit)
@@ -740,7 +740,7 @@ def engine_settings(p: Prepared):
     """The runtime's settings for a prepared request (engine.Settings): what `run` loads by, and what `serve` hands
     llama-server as flags."""
     from flexoffload.native import devices
-    from flexoffload.plan import plan as plans
+    from flexoffload.plan import plans
     from flexoffload.runtime import engine
 
     r, plan = p.request, p.plan
@@ -765,7 +765,7 @@ def engine_settings(p: Prepared):
 def run_prepared(p: Prepared, on_text=None, read_line=None, note=None) -> dict:
     """Load and generate in this process; the result as a dict (engine.Result's fields and the run's context).
     A conversation (request.chat) reads its messages with read_line() and says what is not a reply with note(line)."""
-    from flexoffload.plan import plan as plans
+    from flexoffload.plan import plans
     from flexoffload.runtime import engine
 
     r, model, plan = p.request, p.model, p.plan
@@ -781,7 +781,7 @@ def run_prepared(p: Prepared, on_text=None, read_line=None, note=None) -> dict:
 
         node_s, hidden_nodes = 0.0, 0
         if plan is not None:  # what a node adds to a pass: the cost model's share of a token's compute
-            from flexoffload.measure import profile as profiler
+            from flexoffload.measure import profiler
             from flexoffload.plan.costmodel import compute_seconds
 
             node_s, hidden_nodes = spectree.node_costs(1 / plan.predicted_tok_s if plan.predicted_tok_s else 0,
@@ -802,11 +802,11 @@ def run_prepared(p: Prepared, on_text=None, read_line=None, note=None) -> dict:
         with engine.Engine(r.model, settings) as eng:
             result = eng.generate(r.prompt, r.n_predict, on_text).to_dict()
     timings = result.get("timings", {})
-    from flexoffload.measure import profile
+    from flexoffload.measure import profiler
 
     if "stream_read_gb_s" in timings:
         typical = not r.draft and "n_verify" not in timings and settings.window > 0  # a tree's passes are not
-        profile.record_run(r.model, timings, typical=typical)
+        profiler.record_run(r.model, timings, typical=typical)
     result.update(peak_mem_mb=budgets.peak_rss() / MiB, peak_source="rss", enforced=False,
                   budget_mb=p.limit / MiB if p.limit else None,
                   model={"path": r.model, "size": model.file_size, "name": model.name})
@@ -922,7 +922,7 @@ def serve(request: Request, n_parallel: int, listen, enforce: bool = False, extr
 
 def tune(model, budget: int, profile, n_ctx: int = 2048, n_batch: int = 512, n_best: int = 3, rounds: int = 2,
          n_predict: int = 8, echo=None):
-    """plan --tune (measure/tune.py): the candidate plans each run cold under the enforced budget, in turn."""
+    """plan --tune (measure/tuning.py): the candidate plans each run cold under the enforced budget, in turn."""
 
     def timed(how: dict) -> float:
         request = Request(model=str(model.path), prompt=tuning.PROMPT, n_predict=n_predict, n_ctx=n_ctx,
@@ -931,17 +931,17 @@ def tune(model, budget: int, profile, n_ctx: int = 2048, n_batch: int = 512, n_b
         budgets.drop_page_cache()
         return run_in_cgroup(prepared, budget, timeout=900)["decode_tok_s"]
 
-    return tuning.tune(model, budget, profile, footprint.measure(model, n_ctx, n_batch), timed, n_ctx, n_batch,
+    return tuning.tune(model, budget, profile, probe.measure(model, n_ctx, n_batch), timed, n_ctx, n_batch,
                      n_best, rounds, echo)
 
 
 def experts(model, slots: list[int] | None = None, text: str | None = None, n_threads: int | None = None,
             batch: int = 512, remeasure: bool = False) -> dict:
-    """profile --experts: the experts a text routes to (measure/experts.py; None: the HumanEval tuning problems;
-    measured once, cached) replayed through an expert cache of each slot count and policy (plan/experts.py)."""
-    from flexoffload.measure import experts as tracing
-    from flexoffload.measure import profile as profiler
-    from flexoffload.plan import experts as cache
+    """profile --experts: the experts a text routes to (measure/tracing.py; None: the HumanEval tuning problems;
+    measured once, cached) replayed through an expert cache of each slot count and policy (plan/replay.py)."""
+    from flexoffload.measure import tracing
+    from flexoffload.measure import profiler
+    from flexoffload.plan import replay as cache
     from flexoffload.plan.costmodel import compute_seconds
 
     n_threads = n_threads or os.cpu_count() or 1

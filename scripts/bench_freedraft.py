@@ -32,8 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_spec import write_csv  # noqa: E402  (scripts/, this script's folder)
 from flexoffload import FlexoffloadError, api  # noqa: E402
 from flexoffload.cli import request_from_args  # noqa: E402
-from flexoffload.gguf import models as catalog  # noqa: E402
-from flexoffload.memory import budget as budgets  # noqa: E402
+from flexoffload.gguf import catalog  # noqa: E402
+from flexoffload.memory import budgets  # noqa: E402
 from flexoffload.prompts import edit, humaneval, plain  # noqa: E402
 
 FLEX = {  # system -> run's --spec-type

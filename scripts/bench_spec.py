@@ -50,9 +50,9 @@ from flexoffload import api
 from flexoffload.bench import baseline
 from flexoffload.prompts import humaneval
 from flexoffload.prompts import plain
-from flexoffload.memory import budget as budgets
-from flexoffload.gguf import models as catalog
-from flexoffload.memory.budget import MiB
+from flexoffload.memory import budgets
+from flexoffload.gguf import catalog
+from flexoffload.memory.budgets import MiB
 from flexoffload.cli import request_from_args
 from flexoffload.gguf.model import load
 
@@ -329,7 +329,7 @@ def bench(a) -> None:
             raise FlexoffloadError(f"{task} has {n} tokens: with -n {a.n_predict} it needs -c of at least "
                                    f"{n + a.n_predict + CTX_MARGIN}, not {a.ctx_size}")
     if any(c != SPECULATIVE and c != "mmap" for c in configs):
-        from flexoffload.measure import profile as profiler
+        from flexoffload.measure import profiler
 
         profiler.measure(target, a.threads)  # measured once, outside the budget, as `flexoffload bench` does
         profiler.measure(load(draft_path), a.threads)  # the draft's speed: whether speculation pays (auto)

@@ -28,11 +28,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from flexoffload import FlexoffloadError  # noqa: E402
 from flexoffload import api  # noqa: E402
-from flexoffload.gguf import models  # noqa: E402
-from flexoffload.measure import footprint  # noqa: E402
+from flexoffload.gguf import catalog  # noqa: E402
+from flexoffload.measure import probe  # noqa: E402
 from flexoffload.plan import planners  # noqa: E402
 from flexoffload.gguf import synth  # noqa: E402
-from flexoffload.memory import budget as budgets  # noqa: E402
+from flexoffload.memory import budgets  # noqa: E402
 from flexoffload.bench.sweep import DEFAULT_PROMPT  # noqa: E402
 from flexoffload.defaults import cache_dir  # noqa: E402
 from flexoffload.gguf.model import load  # noqa: E402
@@ -47,7 +47,7 @@ COLUMNS = ["model", "arch", "size_mb", "n_prompt", "budget", "budget_mb", "minim
 def model_path(name: str) -> Path:
     """A synthetic shape, written into the cache the first time; else a catalog name or a path."""
     if name not in synth.SHAPES:
-        return models.resolve(name)
+        return catalog.resolve(name)
     path = cache_dir() / "synth" / f"{name}-q4_0.gguf"
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -121,7 +121,7 @@ def main() -> None:
         for name in opts.models.split(","):
             path = model_path(name)
             model = load(path)
-            minimum = planners.run_minimum(model, footprint.measure(model, opts.c, opts.b))
+            minimum = planners.run_minimum(model, probe.measure(model, opts.c, opts.b))
             prompt = long_prompt(path, opts.b) if opts.long_prompt else DEFAULT_PROMPT
             for label in opts.budgets.split(","):
                 limit = {"min": minimum, "below": minimum - 16 * MiB}.get(label) \

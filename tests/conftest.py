@@ -10,7 +10,7 @@ import pytest
 from flexoffload import FlexoffloadError
 from flexoffload import native
 from flexoffload.defaults import cache_dir
-from flexoffload.gguf import models
+from flexoffload.gguf import catalog
 from flexoffload.gguf import synth
 
 # What the session's own cache borrows from the user's, read only: the fetched models (file by file, so nothing is
@@ -30,7 +30,7 @@ def pytest_configure(config):
         build = None
     session = Path(tempfile.mkdtemp(prefix="flexoffload-test-cache-"))
     (session / "models").mkdir()
-    for entry in models.CATALOG.values():
+    for entry in catalog.CATALOG.values():
         real = user / "models" / entry.file_name
         if real.is_file():
             (session / "models" / entry.file_name).symlink_to(real)
@@ -59,10 +59,10 @@ def tiny_model(tmp_path_factory) -> Path:
 def real_model() -> Path:
     """The real Qwen2.5-Coder-1.5B-Instruct (the user's, linked into the session's cache); `make test` fetches it
     first."""
-    entry = models.CATALOG[models.DEFAULT_MODEL]
-    if not models.is_present(entry):
+    entry = catalog.CATALOG[catalog.DEFAULT_MODEL]
+    if not catalog.is_present(entry):
         pytest.fail(f"{entry.name} is not fetched: run `flexoffload models fetch` (make test does)")
-    return models.model_path(entry)
+    return catalog.model_path(entry)
 
 
 def cli(*args: str, check: bool = False, timeout: float = 600) -> subprocess.CompletedProcess:

@@ -7,7 +7,7 @@ import pytest
 
 from flexoffload.gguf import synth
 from flexoffload.gguf.model import load
-from flexoffload.measure import stepmem as measured_stepmem
+from flexoffload.measure import dryrun as measured_stepmem
 from flexoffload.memory import stepmem
 from flexoffload.native import stream
 from flexoffload.plan import prefill
@@ -69,7 +69,7 @@ def test_make_resident_skips_what_is_not_streamed(model):
 def test_after_prefill_fills_what_the_compute_buffers_give_back(model):
     """The chosen tensors fit in the memory the buffers give back, go to the layers streaming the most first, and
     the predicted decode is no slower."""
-    from flexoffload.measure import profile as profiler
+    from flexoffload.measure import profiler
     from flexoffload.plan.planners import make_plan
 
     m = load(model)

@@ -48,7 +48,7 @@ def test_mmap_runs_where_the_cost_model_predicts_it_as_fast(tmp_path, monkeypatc
     """A budget whose page cache holds the model: mmap is predicted compute-bound, so a run without --strategy says
     so and runs mmap (a plan that streams everything all the more); --strategy stream streams; a budget whose cache
     cannot hold it streams."""
-    from flexoffload.plan import plan as plans
+    from flexoffload.plan import plans
     from flexoffload.plan import planners
     from flexoffload.gguf import synth
     from flexoffload.gguf.model import load
@@ -62,11 +62,11 @@ def test_mmap_runs_where_the_cost_model_predicts_it_as_fast(tmp_path, monkeypatc
     switched = api.prepare(request)
     assert switched.request.strategy == "mmap" and switched.plan is None
     monkeypatch.undo()
-    from flexoffload.measure import footprint
-    from flexoffload.memory import budget as budgets
+    from flexoffload.measure import probe
+    from flexoffload.memory import budgets
 
     m = load(path)
-    half = budgets.holding(m, m.weight_bytes // 2, footprint.measure(m, 256, 64))
+    half = budgets.holding(m, m.weight_bytes // 2, probe.measure(m, 256, 64))
     small = api.prepare(api.Request(**{**asdict(request), "mem": str(half)}))
     assert small.request.strategy == "stream" and not small.notes
     assert plans.streamed_bytes(small.plan, load(path)) > 0

@@ -7,9 +7,9 @@ import pytest
 
 from flexoffload import FlexoffloadError, api
 from flexoffload.gguf import synth
-from flexoffload.measure import footprint
-from flexoffload.memory import budget as budgets
-from flexoffload.plan import plan as plans
+from flexoffload.measure import probe
+from flexoffload.memory import budgets
+from flexoffload.plan import plans
 
 
 def test_the_concerns_make_the_flat_request_field_for_field():
@@ -27,7 +27,7 @@ def test_plan_then_generate_by_it_equals_generate_under_the_budget(tmp_path):
     shape = synth.Shape(n_layer=4, n_embd=512, n_ff=1536, n_head=8, n_head_kv=2, n_vocab=1024, n_ctx_train=512)
     path = synth.write(tmp_path / "four.gguf", shape, "F32")
     model = api.load(str(path))
-    mem = str(budgets.holding(model, model.weight_bytes // 2, footprint.measure(model, 256, 64)))
+    mem = str(budgets.holding(model, model.weight_bytes // 2, probe.measure(model, 256, 64)))
     gen, budget = api.Generation(n_predict=8, temp=0, n_ctx=256, n_batch=64, n_threads=1), api.Budget(mem=mem)
     plan = api.plan(model, budget, gen)
     assert plan is not None and plan.streamed and plan.budget == int(mem)

@@ -12,9 +12,9 @@ from conftest import cli
 from flexoffload import FlexoffloadError
 from flexoffload.bench import baseline
 from flexoffload.prompts import humaneval
-from flexoffload.gguf import models
+from flexoffload.gguf import catalog
 from flexoffload import native
-from flexoffload.memory.budget import MiB
+from flexoffload.memory.budgets import MiB
 
 FIXTURE = Path(__file__).parent / "fixtures" / "llama_speculative_humaneval2.json"
 REPO = Path(__file__).resolve().parent.parent
@@ -65,13 +65,13 @@ def test_command_is_greedy_mmap_without_repacking():
 
 @pytest.mark.integration
 def test_real_run_under_a_budget_is_the_target_greedy_output(real_model):
-    draft = models.CATALOG["qwen2.5-coder-0.5b-instruct"]
-    if not models.is_present(draft) or not (native.build_dir() / "llama-speculative").is_file():
+    draft = catalog.CATALOG["qwen2.5-coder-0.5b-instruct"]
+    if not catalog.is_present(draft) or not (native.build_dir() / "llama-speculative").is_file():
         pytest.skip("the draft model or llama-speculative is missing")
     (_, prompt), = humaneval.prompts([40])
     budget = 2 * real_model.stat().st_size  # ample: both models fit
     try:
-        r = baseline.run(real_model, models.model_path(draft), prompt, 6, 512, 64, 2, 4, budget=budget, timeout=600)
+        r = baseline.run(real_model, catalog.model_path(draft), prompt, 6, 512, 64, 2, 4, budget=budget, timeout=600)
     except FlexoffloadError as e:
         if "cgroup" in str(e):
             pytest.skip(str(e))

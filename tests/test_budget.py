@@ -4,7 +4,7 @@ import sys
 import pytest
 
 from flexoffload import FlexoffloadError
-from flexoffload.memory.budget import MemoryCgroup, MiB, parse_size
+from flexoffload.memory.budgets import MemoryCgroup, MiB, parse_size
 
 
 @pytest.mark.parametrize("text,expected", [
@@ -53,36 +53,36 @@ def test_the_measured_runtime_is_within_a_real_runs_peak(tiny_model):
 
     from conftest import cli
     from flexoffload.gguf.model import load
-    from flexoffload.measure import footprint
-    from flexoffload.memory import budget
+    from flexoffload.measure import probe
+    from flexoffload.memory import budgets
 
-    budget.drop_page_cache()
+    budgets.drop_page_cache()
     r = cli("run", "-m", str(tiny_model), "-p", "a b c", "-n", "4", "--temp", "0", "--mem", "512M", "--enforce",
             "--json", check=True)
     peak = json.loads(r.stdout)["peak_mem_mb"] * MiB
     m = load(tiny_model)
-    run = footprint.measure(m, 2048, 512)
-    assert run.runtime < peak <= budget.minimum(m, run) + m.weight_bytes
+    run = probe.measure(m, 2048, 512)
+    assert run.runtime < peak <= budgets.minimum(m, run) + m.weight_bytes
 
 
 def test_minimum_is_refused_below_and_named(tiny_model):
     from flexoffload.gguf.model import load
-    from flexoffload.measure import footprint
-    from flexoffload.memory import budget
+    from flexoffload.measure import probe
+    from flexoffload.memory import budgets
 
     m = load(tiny_model)
-    run = footprint.measure(m, 2048, 512)
-    need = budget.minimum(m, run)
+    run = probe.measure(m, 2048, 512)
+    need = budgets.minimum(m, run)
     assert need > run.runtime + run.code + run.kv_cache
-    budget.check(m, need, run, 2048, 512)
+    budgets.check(m, need, run, 2048, 512)
     with pytest.raises(FlexoffloadError, match="minimum is"):
-        budget.check(m, need - 1, run, 2048, 512)
+        budgets.check(m, need - 1, run, 2048, 512)
 
 
 def test_run_limited_charges_the_child_and_samples_what_it_cannot_give_back():
     """The one way to run a child under a budget: moved into its cgroup before it execs (no preexec_fn), its
     anonymous memory seen by the sampled peak, the kernel's OOM kill reported."""
-    from flexoffload.memory.budget import run_limited
+    from flexoffload.memory.budgets import run_limited
 
     ok = run_limited(_child(100, hold_s=0.5), 300 * MiB)  # held long enough for the 20 ms samples to see it
     assert ok.returncode == 0 and ok.stdout.strip() == "ok" and ok.enforced and not ok.oom_killed
@@ -94,7 +94,7 @@ def test_run_limited_charges_the_child_and_samples_what_it_cannot_give_back():
 
 
 def test_run_limited_stops_a_child_past_its_timeout():
-    from flexoffload.memory.budget import run_limited
+    from flexoffload.memory.budgets import run_limited
 
     with pytest.raises(FlexoffloadError, match="timed out"):
         run_limited([sys.executable, "-c", "import time; time.sleep(30)"], 200 * MiB, timeout=1)

@@ -5,7 +5,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from flexoffload.gguf.models import cache_dir
+from flexoffload.gguf.catalog import cache_dir
 
 REPO = Path(__file__).resolve().parent.parent
 SDIST = "llama_cpp_python-0.3.36.tar.gz"

@@ -141,7 +141,7 @@ def test_profile_and_plan(tiny_model, tmp_path, monkeypatch):
     """profile measures and reports the disk bandwidth plans use: the median of its own passes and the runs the disk
     paced on this device (two set up here at 1.234 GB/s: the median is theirs, whatever the passes measured); plan
     writes tensors.ot and plan.json that agree with each other."""
-    from flexoffload.measure import profile as profiler
+    from flexoffload.measure import profiler
 
     monkeypatch.setenv("FLEXOFFLOAD_CACHE", str(tmp_path / "cache"))  # this test's own record of the disk
     disk_paced = {"stream_bytes_read": profiler.SUSTAINED_BYTES, "stream_reads": 10, "stream_direct": 10,
@@ -155,7 +155,7 @@ def test_profile_and_plan(tiny_model, tmp_path, monkeypatch):
     out = tmp_path / "plan"
     r = cli("plan", "-m", str(tiny_model), "--mem", "400M", "-c", "256", "-o", str(out), check=True)
     assert "predicted" in r.stdout and "roofline" in r.stdout
-    from flexoffload.plan import plan as plans
+    from flexoffload.plan import plans
 
     p = plans.read(out)
     assert p.policy == "balanced" and p.memory.total <= p.budget

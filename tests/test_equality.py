@@ -85,15 +85,15 @@ def test_every_strategy_equals_llama_completion_with_the_same_overrides(tmp_path
     flexoffload's for the plan, for prefetch and sync (everything streamable streamed), and its own with mmap."""
     from flexoffload.gguf import synth
     from flexoffload.gguf.model import load
-    from flexoffload.measure import footprint
-    from flexoffload.memory import budget as budgets
-    from flexoffload.plan import plan as plans
+    from flexoffload.measure import probe
+    from flexoffload.memory import budgets
+    from flexoffload.plan import plans
     from flexoffload.plan.planners import always_resident
 
     shape = synth.Shape(n_layer=4, n_embd=1024, n_ff=2816, n_head=8, n_head_kv=4, n_vocab=384, n_ctx_train=1024)
     model = synth.write(tmp_path / "streamable.gguf", shape)
     m = load(model)
-    budget = budgets.holding(m, m.weight_bytes * 3 // 4, footprint.measure(m, 512, 512))
+    budget = budgets.holding(m, m.weight_bytes * 3 // 4, probe.measure(m, 512, 512))
     plan_dir = tmp_path / "plan"
     cli("plan", "-m", str(model), "--mem", str(budget), "-c", "512", "-b", "512", "-o", str(plan_dir), check=True)
     planned = (plan_dir / "tensors.ot").read_text().split()

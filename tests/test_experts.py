@@ -11,10 +11,10 @@ from conftest import cli
 from flexoffload import FlexoffloadError
 from flexoffload.gguf import synth
 from flexoffload.gguf.model import load
-from flexoffload.measure import experts as tracing
-from flexoffload.plan import experts
+from flexoffload.measure import tracing
+from flexoffload.plan import replay
 from flexoffload.plan.costmodel import Profile, compute_seconds
-from flexoffload.plan.experts import Trace, simulate
+from flexoffload.plan.replay import Trace, simulate
 
 
 def one_layer(sequence, n_expert=4):
@@ -50,7 +50,7 @@ def test_lru_keeps_what_was_used_last_and_lfu_what_was_used_most():
 
 def test_no_slots_reads_every_routed_expert_and_all_slots_only_the_first_use():
     trace = uniform(np.random.default_rng(1), 50, 3, 8, 2)
-    for policy in experts.POLICIES:
+    for policy in replay.POLICIES:
         assert simulate(trace, 0, policy).misses_per_token == 3 * 2
         assert simulate(trace, 8, policy).misses == len({(l, e) for l in range(3) for e in trace.ids[:, l].ravel()})
 
@@ -127,10 +127,10 @@ def test_the_prediction_adds_the_missed_experts_reads_to_the_in_memory_token(moe
     m = load(moe_tiny)
     s = synth.SHAPES["llama-moe-tiny"]
     unit = 3 * s.expert_width * s.n_embd // 32 * 18  # Q4_0: gate, up, down slices of one expert
-    assert experts.unit_bytes(m) == [unit] * s.n_layer
+    assert replay.unit_bytes(m) == [unit] * s.n_layer
     profile = Profile(disk_bw=1e8, io_latency=1e-4, default_sec_per_byte=1e-10)
     trace = uniform(np.random.default_rng(0), 200, s.n_layer, s.n_expert, s.n_expert_used)
-    none = experts.predict(m, trace, 0, "lru", profile, io_threads=4)
+    none = replay.predict(m, trace, 0, "lru", profile, io_threads=4)
     reads = s.n_layer * s.n_expert_used  # every routed expert: a layer's burst of 3 requests each over 4 threads
     rounds = s.n_layer * -(-3 * s.n_expert_used // 4)
     routed = reads * unit * 1e-10  # the routed experts' compute, beside the dense weights'
@@ -138,12 +138,12 @@ def test_the_prediction_adds_the_missed_experts_reads_to_the_in_memory_token(moe
     assert none.units_per_token == reads and none.bytes_per_token == reads * unit
     assert none.compute_s == pytest.approx(compute_seconds(m, profile) + routed)
     assert none.tok_s == pytest.approx(1 / expected)
-    half = experts.predict(m, trace, 4, "belady", profile, io_threads=4)
+    half = replay.predict(m, trace, 4, "belady", profile, io_threads=4)
     assert half.cache_bytes == 4 * s.n_layer * unit
     assert none.tok_s < half.tok_s < 1 / compute_seconds(m, profile)
     wrong = Trace(s.n_layer + 1, s.n_expert, s.n_expert_used, np.zeros((1, s.n_layer + 1, s.n_expert_used)))
     with pytest.raises(FlexoffloadError, match="layers"):
-        experts.predict(m, wrong, 1, "lru", profile)
+        replay.predict(m, wrong, 1, "lru", profile)
 
 
 # --- the trace, measured ----------------------------------------------------------------------------------------
@@ -190,7 +190,7 @@ def test_profile_experts_replays_the_trace_for_each_slot_count(moe_tiny):
     out = json.loads(r.stdout)
     s = synth.SHAPES["llama-moe-tiny"]
     rows = {(row["slots"], row["policy"]): row for row in out["rows"]}
-    assert set(rows) == {(n, p) for n in (0, 2, 8) for p in experts.POLICIES}
+    assert set(rows) == {(n, p) for n in (0, 2, 8) for p in replay.POLICIES}
     assert rows[(0, "lru")]["units_per_token"] == s.n_layer * s.n_expert_used
     for n in (0, 2, 8):
         assert rows[(n, "belady")]["hit_rate"] >= max(rows[(n, "lru")]["hit_rate"], rows[(n, "lfu")]["hit_rate"])

@@ -1,4 +1,4 @@
-"""A context's memory beside the weights, as llama.cpp reports it (measure/footprint.py's probe, memory/footprint.py's
+"""A context's memory beside the weights, as llama.cpp reports it (measure/probe.py's probe, memory/probe.py's
 Footprint)."""
 
 import ctypes
@@ -9,7 +9,7 @@ from flexoffload import FlexoffloadError
 from flexoffload import native
 from flexoffload.gguf import synth
 from flexoffload.gguf.model import load
-from flexoffload.measure import footprint
+from flexoffload.measure import probe
 from flexoffload.memory.footprint import KERNEL_FIXED
 
 
@@ -24,10 +24,10 @@ def test_kv_cache_output_and_sampling_are_what_llama_cpp_allocates(tiny_model):
     """K and V, f16, for every layer of the tiny llama: n_ctx (padded to 256 by llama.cpp) x n_head_kv x head_dim;
     a logits row of the vocabulary; the sampling scratch of llama.cpp's types for its 384 tokens."""
     m = load(tiny_model)
-    fp = footprint.probe(str(tiny_model), 256, 32, 1, 1)
+    fp = probe.probe(str(tiny_model), 256, 32, 1, 1)
     logged = 0.01 * (1 << 20)  # llama.cpp logs its sizes to 0.01 MiB; footprint rounds them up
     assert 0 <= fp.kv_cache - 2 * 3 * 256 * 2 * 16 * 2 <= logged
-    assert 0 <= footprint.probe(str(tiny_model), 512, 32, 1, 1).kv_cache - 2 * 3 * 512 * 2 * 16 * 2 <= logged
+    assert 0 <= probe.probe(str(tiny_model), 512, 32, 1, 1).kv_cache - 2 * 3 * 512 * 2 * 16 * 2 <= logged
     # one f32 logits row of the vocabulary (llama.cpp rounds its buffers up, so at least that)
     assert fp.output >= 4 * m.n_vocab
     # the heap of a model this small may fit in what the allocator already had (grown by nothing): heap_grows_with...
@@ -36,9 +36,9 @@ def test_kv_cache_output_and_sampling_are_what_llama_cpp_allocates(tiny_model):
 
 
 def test_more_outputs_and_a_larger_batch_take_more(tiny_model):
-    one = footprint.probe(str(tiny_model), 256, 32, 1, 1)
-    assert footprint.probe(str(tiny_model), 256, 32, 128, 1).output >= 128 * 4 * load(tiny_model).n_vocab
-    assert footprint.probe(str(tiny_model), 256, 256, 1, 1).compute > one.compute
+    one = probe.probe(str(tiny_model), 256, 32, 1, 1)
+    assert probe.probe(str(tiny_model), 256, 32, 128, 1).output >= 128 * 4 * load(tiny_model).n_vocab
+    assert probe.probe(str(tiny_model), 256, 256, 1, 1).compute > one.compute
 
 
 def test_the_heap_grows_with_the_vocabulary(tmp_path, monkeypatch):
@@ -46,8 +46,8 @@ def test_the_heap_grows_with_the_vocabulary(tmp_path, monkeypatch):
     Probed in a fresh process as a plan does: in pytest's, the allocator may hand back what earlier tests freed,
     and the heap would seem to grow by nothing."""
     monkeypatch.setenv("FLEXOFFLOAD_CACHE", str(tmp_path))
-    big = footprint.measure(load(synth.write(tmp_path / "big.gguf", synth.SHAPES["gemma3-tiny-256k"])), 256, 32)
-    small = footprint.measure(load(synth.write(tmp_path / "small.gguf", synth.SHAPES["qwen2-tiny"])), 256, 32)
+    big = probe.measure(load(synth.write(tmp_path / "big.gguf", synth.SHAPES["gemma3-tiny-256k"])), 256, 32)
+    small = probe.measure(load(synth.write(tmp_path / "small.gguf", synth.SHAPES["qwen2-tiny"])), 256, 32)
     n_vocab = synth.SHAPES["gemma3-tiny-256k"].n_vocab
     assert big.heap > small.heap + 16 * n_vocab  # at least the 16 bytes a token's score and type take
     assert big.sampling == sampling_bytes(n_vocab)
@@ -56,10 +56,10 @@ def test_the_heap_grows_with_the_vocabulary(tmp_path, monkeypatch):
 def test_measure_caches_per_model_and_settings(tiny_model, tmp_path, monkeypatch):
     monkeypatch.setenv("FLEXOFFLOAD_CACHE", str(tmp_path))
     m = load(tiny_model)
-    first = footprint.measure(m, 256, 32)
+    first = probe.measure(m, 256, 32)
     assert list((tmp_path / "footprints").glob("*.json"))
-    assert footprint.measure(m, 256, 32) == first  # from the cache, the same
-    assert footprint.measure(m, 512, 32).kv_cache > first.kv_cache
+    assert probe.measure(m, 256, 32) == first  # from the cache, the same
+    assert probe.measure(m, 512, 32).kv_cache > first.kv_cache
 
 
 def test_a_model_llama_cpp_cannot_load_is_one_error(tmp_path):
@@ -68,7 +68,7 @@ def test_a_model_llama_cpp_cannot_load_is_one_error(tmp_path):
 
     path = write_gguf(tmp_path / "unknown.gguf", "no-such-arch")
     with pytest.raises(FlexoffloadError, match="unknown.gguf"):
-        footprint.measure(load(path), 256, 32)
+        probe.measure(load(path), 256, 32)
 
 
 @pytest.mark.parametrize("shape", ["qwen2-tiny", "gemma3-tiny-256k", "phi3-tiny"])
@@ -82,7 +82,7 @@ def test_the_plan_predicts_what_the_run_cannot_give_back(tmp_path, shape):
 
     path = synth.write(tmp_path / f"{shape}.gguf", synth.SHAPES[shape])
     m = load(path)
-    floor = planners.run_minimum(m, footprint.measure(m, 512, 64))
+    floor = planners.run_minimum(m, probe.measure(m, 512, 64))
     for budget in (floor, floor + m.weight_bytes // 2):
         request = api.Request(model=str(path), prompt=DEFAULT_PROMPT * 2, n_predict=8, n_ctx=512, n_batch=64,
                               temp=0, mem=str(budget), strategy="stream")

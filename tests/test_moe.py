@@ -12,8 +12,8 @@ from conftest import cli
 from flexoffload import FlexoffloadError, api
 from flexoffload.gguf import synth
 from flexoffload.gguf.model import load
-from flexoffload.measure import footprint
-from flexoffload.memory import budget as budgets
+from flexoffload.measure import probe
+from flexoffload.memory import budgets
 from flexoffload.plan import expertcache
 from flexoffload.plan.planners import run_minimum
 
@@ -52,7 +52,7 @@ def test_a_moe_streamed_by_expert_gives_mmap_s_tokens(name, slots, tmp_path):
     alone = api.generate(dataclasses.replace(request, strategy="mmap"))
     # the least it runs in, and room for the slots asked for (the slack grows with the budget)
     extra = expertcache.memory(m, slots or 0) - expertcache.memory(m, 0)
-    mem = run_minimum(m, footprint.measure(m, 256, 32)) + 2 * extra
+    mem = run_minimum(m, probe.measure(m, 256, 32)) + 2 * extra
     # by expert (routed), as this test is about; left to the plan, a slow moment's profile can choose whole reads,
     # which the test below covers
     prepared = api.prepare(dataclasses.replace(request, mem=str(mem), strategy="stream", expert_slots=slots,
@@ -83,7 +83,7 @@ def test_expert_tensors_streamed_whole_give_mmap_s_tokens_and_every_pass_reads_t
     request = api.Request(model=str(path), prompt="a b c d", n_predict=8, temp=0, n_ctx=256, n_batch=32)
     alone = api.generate(dataclasses.replace(request, strategy="mmap"))
     # the least it runs in (the least for its experts read whole, as a dense model's tensors, may be less)
-    run = footprint.measure(m, 256, 32)
+    run = probe.measure(m, 256, 32)
     mem = max(run_minimum(m, run), run_minimum(dataclasses.replace(m, n_expert=0, n_expert_used=0), run))
     prepared = api.prepare(dataclasses.replace(request, mem=str(mem), strategy="stream", expert_reads="whole"))
     streamed = {t.name for t in m.tensors if t.kind == "expert"} & set(prepared.plan.streamed)
@@ -100,7 +100,7 @@ def test_expert_tensors_streamed_whole_give_mmap_s_tokens_and_every_pass_reads_t
 
 def test_the_mmap_minimum_counts_one_token_s_experts(tmp_path):
     m = load(synth.write(tmp_path / "moe.gguf", synth.SHAPES["llama-moe-tiny"]))
-    run = footprint.measure(m, 256, 32)
+    run = probe.measure(m, 256, 32)
     whole = max(m.layer_bytes(i) for i in range(m.n_layer))
     routed = max(sum(m.token_bytes(t) for t in m.layer_tensors(i)) for i in range(m.n_layer))
     assert routed < whole / 2  # 2 of 8 experts

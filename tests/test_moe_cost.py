@@ -1,7 +1,7 @@
 """The cost of a mixture of experts' misses (issue 28, target 6: predicted tok/s within 20 % of measured): a layer's
 missed experts are read as one burst after its router has run, at the speed the profile measured for bursts of
-expert slices (measure/profile.py, expert_reads), not at the large reads' bandwidth; what a cache misses per layer
-comes from a replayed trace or, unmeasured, from uniform routing (plan/experts.py: Misses, cost). Pure Python, but
+expert slices (measure/profiler.py, expert_reads), not at the large reads' bandwidth; what a cache misses per layer
+comes from a replayed trace or, unmeasured, from uniform routing (plan/replay.py: Misses, cost). Pure Python, but
 for the burst test, which reads a tiny synthetic MoE file."""
 
 import dataclasses
@@ -13,10 +13,10 @@ import pytest
 from flexoffload import FlexoffloadError
 from flexoffload.gguf import synth
 from flexoffload.gguf.model import load
-from flexoffload.measure import profile as profiler
-from flexoffload.plan import expertcache, experts
+from flexoffload.measure import profiler
+from flexoffload.plan import expertcache, replay
 from flexoffload.plan.costmodel import Profile
-from flexoffload.plan.experts import Misses, Trace, simulate
+from flexoffload.plan.replay import Misses, Trace, simulate
 from flexoffload.plan.planners import make_plan
 
 
@@ -40,16 +40,16 @@ def test_a_burst_of_expert_slices_takes_its_latency_and_its_bytes_at_the_measure
 
 def test_misses_cost_more_at_the_slices_speed_than_at_the_large_reads_and_hits_the_same(moe):
     s = synth.SHAPES["llama-moe-tiny"]
-    none_big = experts.cost(moe, 0, Misses.uniform(moe, 0), BIG)
-    none_slices = experts.cost(moe, 0, Misses.uniform(moe, 0), SLICES)
-    unit = experts.unit_bytes(moe)[0]
+    none_big = replay.cost(moe, 0, Misses.uniform(moe, 0), BIG)
+    none_slices = replay.cost(moe, 0, Misses.uniform(moe, 0), SLICES)
+    unit = replay.unit_bytes(moe)[0]
     assert none_slices.units_per_token == none_big.units_per_token == s.n_layer * s.n_expert_used
     # every layer misses its k units in one burst
     assert none_slices.read_s == pytest.approx(s.n_layer * (300e-6 + s.n_expert_used * unit / 0.6e9))
     assert none_slices.read_s > none_big.read_s
     assert none_slices.compute_s == none_big.compute_s > 0
-    every = experts.cost(moe, s.n_expert, Misses.uniform(moe, s.n_expert), SLICES)
-    assert every.read_s == 0 and every.seconds == experts.cost(moe, s.n_expert, Misses.uniform(moe, s.n_expert),
+    every = replay.cost(moe, s.n_expert, Misses.uniform(moe, s.n_expert), SLICES)
+    assert every.read_s == 0 and every.seconds == replay.cost(moe, s.n_expert, Misses.uniform(moe, s.n_expert),
                                                                BIG).seconds
 
 
@@ -59,18 +59,18 @@ def test_the_plan_predicts_fewer_tokens_a_second_with_the_slices_speed(moe):
     slices = make_plan(moe, budget, "balanced", SLICES, slots=0)
     assert slices.predicted_tok_s < big.predicted_tok_s
     gap = 1 / slices.predicted_tok_s - 1 / big.predicted_tok_s
-    reads = experts.cost(moe, 0, Misses.uniform(moe, 0), SLICES).read_s \
-        - experts.cost(moe, 0, Misses.uniform(moe, 0), BIG).read_s
+    reads = replay.cost(moe, 0, Misses.uniform(moe, 0), SLICES).read_s \
+        - replay.cost(moe, 0, Misses.uniform(moe, 0), BIG).read_s
     assert gap == pytest.approx(reads)
-    # the planner's expert cost is experts.cost's, for any misses it is handed
+    # the planner's expert cost is replay.cost's, for any misses it is handed
     traced = Misses(0.5, ((0.5, 0.5, 0.0), (0.0, 0.0, 1.0)))
-    assert expertcache.cost(moe, 3, SLICES, lambda slots: traced, 4) == experts.cost(moe, 3, traced, SLICES, 4)
+    assert expertcache.cost(moe, 3, SLICES, lambda slots: traced, 4) == replay.cost(moe, 3, traced, SLICES, 4)
 
 
 def test_one_layer_missing_several_pays_one_latency_where_several_layers_pay_one_each(moe):
-    unit = experts.unit_bytes(moe)[0]
-    one_layer = experts.cost(moe, 0, Misses(0.5, ((0.0, 0.0, 1.0), (1.0,))), SLICES)  # 2 units in layer 0
-    two_layers = experts.cost(moe, 0, Misses(0.5, ((0.0, 1.0), (0.0, 1.0))), SLICES)  # 1 unit in each
+    unit = replay.unit_bytes(moe)[0]
+    one_layer = replay.cost(moe, 0, Misses(0.5, ((0.0, 0.0, 1.0), (1.0,))), SLICES)  # 2 units in layer 0
+    two_layers = replay.cost(moe, 0, Misses(0.5, ((0.0, 1.0), (0.0, 1.0))), SLICES)  # 1 unit in each
     assert one_layer.bytes_per_token == two_layers.bytes_per_token == 2 * unit
     assert two_layers.read_s - one_layer.read_s == pytest.approx(300e-6)
 
@@ -89,7 +89,7 @@ def test_uniform_misses_are_binomial_and_a_traced_cache_misses_what_the_replay_c
     traced = Misses.replayed(simulate(same, 2, "lru"))
     assert traced.hit_rate == pytest.approx(1 - 2 * s.n_layer / (100 * s.n_layer * k))
     assert traced.shares == ((0.99, 0.0, 0.01) + (0.0,) * (n - k),) * s.n_layer  # the first token misses both
-    assert experts.cost(moe, 2, traced, SLICES).read_s < experts.cost(moe, 2, u, SLICES).read_s
+    assert replay.cost(moe, 2, traced, SLICES).read_s < replay.cost(moe, 2, u, SLICES).read_s
 
 
 def test_the_replay_counts_the_steps_by_the_units_they_miss():
@@ -118,7 +118,7 @@ def test_the_bursts_fit_recovers_latency_and_speed():
 def test_the_profile_times_bursts_of_a_layer_s_expert_slices(moe):
     s = synth.SHAPES["llama-moe-tiny"]
     assert profiler.burst_sizes(moe) == [1, 2]
-    slice_bytes = experts.unit_bytes(moe)[0] // 3
+    slice_bytes = replay.unit_bytes(moe)[0] // 3
     requests = profiler.unit_requests(moe, 1, 5)
     assert len(requests) == 3  # gate, up, down
     for (offset, length), t in zip(requests, [t for t in moe.layer_tensors(1) if t.kind == "expert"]):

@@ -14,7 +14,7 @@ from flexoffload import api
 from flexoffload.plan import placers
 from flexoffload.bench import machines as rpc
 from flexoffload.gguf import synth
-from flexoffload.plan import plan as plans
+from flexoffload.plan import plans
 from flexoffload.plan.costmodel import Profile
 from flexoffload.gguf.model import load
 from flexoffload.memory.footprint import Footprint

@@ -4,7 +4,7 @@ import re
 import pytest
 
 from flexoffload import FlexoffloadError
-from flexoffload.plan import plan
+from flexoffload.plan import plans
 from flexoffload.gguf import synth
 from flexoffload.plan.costmodel import Profile
 from flexoffload.gguf.model import load
@@ -25,9 +25,9 @@ def profile(model) -> Profile:
 
 def streamed_by_file(directory, names):
     """What llama.cpp would stream: each name tried against each pattern with regex_search, first match wins."""
-    lines = (directory / plan.OVERRIDES_FILE).read_text().splitlines()
+    lines = (directory / plans.OVERRIDES_FILE).read_text().splitlines()
     pairs = [line.split("=", 1) for line in lines]
-    return [n for n in names if next((b for p, b in pairs if re.search(p, n)), None) == plan.STREAMED_BUFT]
+    return [n for n in names if next((b for p, b in pairs if re.search(p, n)), None) == plans.STREAMED_BUFT]
 
 
 @pytest.mark.parametrize("policy", sorted(POLICIES))
@@ -36,14 +36,14 @@ def test_round_trip(model, tmp_path, policy, fraction):
     p = make_plan(model, int(model.weight_bytes * fraction), policy, profile(model), window=2, io_threads=3,
                   kv_cache=1 << 20, compute=2 << 20, overhead=3 << 20)
     assert p.streamed and p.resident
-    plan.write(p, tmp_path / "plan")
-    assert plan.read(tmp_path / "plan") == p
+    plans.write(p, tmp_path / "plan")
+    assert plans.read(tmp_path / "plan") == p
     names = [t.name for t in model.tensors]
     assert streamed_by_file(tmp_path / "plan", names) == [n for n in names if n in set(p.streamed)]
-    for line in (tmp_path / "plan" / plan.OVERRIDES_FILE).read_text().splitlines():
+    for line in (tmp_path / "plan" / plans.OVERRIDES_FILE).read_text().splitlines():
         pattern, buft = line.split("=", 1)
-        assert buft == plan.STREAMED_BUFT and pattern.startswith("^") and pattern.endswith("$") and "," not in pattern
-    doc = json.loads((tmp_path / "plan" / plan.PLAN_FILE).read_text())
+        assert buft == plans.STREAMED_BUFT and pattern.startswith("^") and pattern.endswith("$") and "," not in pattern
+    doc = json.loads((tmp_path / "plan" / plans.PLAN_FILE).read_text())
     assert doc["policy"] == policy and doc["memory"]["total"] == p.memory.total <= p.budget
 
 
@@ -58,17 +58,17 @@ def test_patterns_are_exact_and_short(model):
         [],
     ]
     for streamed in cases:
-        patterns = plan.override_patterns(streamed, names)
+        patterns = plans.override_patterns(streamed, names)
         matched = [n for n in names if any(re.search(p, n) for p in patterns)]
         assert matched == [n for n in names if n in set(streamed)], patterns
-    assert plan.override_patterns(cases[2], names) == [r"^blk\.\d+\.(ffn_gate|ffn_up|ffn_down)\.weight$"]
-    assert plan.override_patterns(cases[3], names) == [
+    assert plans.override_patterns(cases[2], names) == [r"^blk\.\d+\.(ffn_gate|ffn_up|ffn_down)\.weight$"]
+    assert plans.override_patterns(cases[3], names) == [
         r"^output\.weight$", r"^blk\.(1|3|10)\.(attn_output|ffn_gate|ffn_down)\.weight$"]
 
 
 def test_patterns_escape_what_the_override_parser_splits_on():
     names = ["a,b=c.weight", "blk.0.x+y.weight", "blk.1.x+y.weight"]
-    patterns = plan.override_patterns(["a,b=c.weight", "blk.0.x+y.weight"], names)
+    patterns = plans.override_patterns(["a,b=c.weight", "blk.0.x+y.weight"], names)
     assert all("," not in p and "=" not in p for p in patterns)
     assert [n for n in names if any(re.search(p, n) for p in patterns)] == names[:2]
 
@@ -76,21 +76,21 @@ def test_patterns_escape_what_the_override_parser_splits_on():
 def test_nothing_streamed_writes_an_empty_override_file(model, tmp_path):
     p = make_plan(model, model.weight_bytes * 2, "balanced", profile(model))
     assert p.streamed == () and p.memory.window == 0
-    plan.write(p, tmp_path)
-    assert (tmp_path / plan.OVERRIDES_FILE).read_text() == ""
-    assert plan.read(tmp_path) == p
+    plans.write(p, tmp_path)
+    assert (tmp_path / plans.OVERRIDES_FILE).read_text() == ""
+    assert plans.read(tmp_path) == p
 
 
 def test_read_rejects_overrides_that_disagree_with_the_plan(model, tmp_path):
     p = make_plan(model, int(model.weight_bytes * 0.6), "flexinfer", profile(model))
-    plan.write(p, tmp_path)
-    ot = tmp_path / plan.OVERRIDES_FILE
+    plans.write(p, tmp_path)
+    ot = tmp_path / plans.OVERRIDES_FILE
     lines = ot.read_text().splitlines()
     ot.write_text("\n".join(lines[1:]) + "\n")
     with pytest.raises(FlexoffloadError, match="does not stream exactly"):
-        plan.read(tmp_path)
+        plans.read(tmp_path)
     ot.write_text("\n".join(lines + [r"^blk\.0\.attn_norm\.weight$=STREAMED"]) + "\n")
     with pytest.raises(FlexoffloadError, match="does not stream exactly"):
-        plan.read(tmp_path)
+        plans.read(tmp_path)
     with pytest.raises(FlexoffloadError, match="not a plan directory"):
-        plan.read(tmp_path / "nothing")
+        plans.read(tmp_path / "nothing")

@@ -4,11 +4,11 @@ from pathlib import Path
 import pytest
 
 from flexoffload import FlexoffloadError
-from flexoffload.gguf import models
+from flexoffload.gguf import catalog
 from flexoffload.gguf import synth
 from flexoffload.plan.costmodel import Pipeline, Profile
 from flexoffload.gguf.model import ATTENTION_KINDS as ATTENTION, FFN_KINDS as FFN, Model, Tensor, load, tensor_kind
-from flexoffload.measure import footprint
+from flexoffload.measure import probe
 from flexoffload.plan.planners import (POLICIES, always_resident, by_kind, is_small, layer_pool, make_plan, memory_for,
                                        minimum_budget)
 
@@ -25,7 +25,7 @@ def eight(tmp_path_factory):
 @pytest.fixture(scope="module")
 def qwen():
     """The real Qwen2.5-Coder-1.5B's tensor table (Q4_K_M: types mixed per layer, GQA, a big vocabulary)."""
-    path = models.model_path(models.CATALOG[models.DEFAULT_MODEL])
+    path = catalog.model_path(catalog.CATALOG[catalog.DEFAULT_MODEL])
     if not path.exists():  # an integration test: `make test` fetches it; a missing model fails, it is not skipped
         pytest.fail(f"{path} is not fetched: run `flexoffload models fetch`")
     return load(path)
@@ -123,7 +123,7 @@ def test_token_embd_and_output_stay_unless_forced_and_token_embd_goes_first(qwen
 def test_streamed_token_embd_costs_its_rows_not_its_size(qwen):
     """Read by rows: its window memory is a lookup's pages, a decode pass reads one row of it."""
     from flexoffload.plan import costmodel
-    from flexoffload.plan import plan as plans
+    from flexoffload.plan import plans
 
     embd = next(t for t in qwen.tensors if t.name == "token_embd.weight")
     assert costmodel.reads_rows(qwen, embd) and costmodel.row_bytes(embd) == 1536 // 256 * 144  # Q4_K
@@ -383,7 +383,7 @@ def test_a_streamed_output_holds_two_chunks_not_itself(qwen):
     assert minimum_budget(qwen, 0) < memory_for(qwen, small | {out.name}, 0)
     prof = measured_like(qwen, 11.4)
     budget = int(0.3 * qwen.file_size)
-    p = plan_budget(qwen, budget, "balanced", prof, footprint.measure(qwen, 2048, 512))
+    p = plan_budget(qwen, budget, "balanced", prof, probe.measure(qwen, 2048, 512))
     assert p.memory.total <= budget and out.name in p.streamed
     assert p.memory.window == Pipeline(qwen).window_bytes(set(p.resident), p.window) < 64 << 20
     # the ledger a policy fills keeps the same account as the pipeline

@@ -10,12 +10,12 @@ import pytest
 from conftest import cli
 from flexoffload import FlexoffloadError
 from flexoffload.plan import mixed
-from flexoffload.gguf import models
-from flexoffload.plan import precision
+from flexoffload.gguf import catalog
+from flexoffload.plan import qtypes
 from flexoffload.measure import sensitivity
 from flexoffload.gguf import synth
 from flexoffload.gguf.model import load
-from flexoffload.plan.precision import Row, Sensitivity
+from flexoffload.plan.qtypes import Row, Sensitivity
 from test_equality import llama_completion
 
 # 256-wide rows take K-quants; Q4_0 weights leave two lower types (Q3_K, Q2_K) per group: a short profile
@@ -45,15 +45,15 @@ def pair(tmp_path_factory):
     """Original F32 weights and the Q4_0 file llama-quantize makes of them, as the models here are made."""
     d = tmp_path_factory.mktemp("pair")
     original = synth.write(d / "original.gguf", SHAPE, qtype="F32", seed=3)
-    precision.run_tool("llama-quantize", [str(original), str(d / "file.gguf"), "Q4_0", "2"], timeout=300)
+    qtypes.run_tool("llama-quantize", [str(original), str(d / "file.gguf"), "Q4_0", "2"], timeout=300)
     return load(original), load(d / "file.gguf")
 
 
 def header(name):
-    entry = models.CATALOG[name]
-    if not models.is_present(entry):
+    entry = catalog.CATALOG[name]
+    if not catalog.is_present(entry):
         pytest.fail(f"{name} is not fetched: run `flexoffload models fetch` (make test does)")
-    return load(models.model_path(entry))
+    return load(catalog.model_path(entry))
 
 
 def tensor(model, name):
@@ -61,49 +61,49 @@ def tensor(model, name):
 
 
 def test_candidates_are_the_lower_types_whose_blocks_fit_the_rows():
-    target = header(models.DEFAULT_MODEL)
+    target = header(catalog.DEFAULT_MODEL)
     assert tensor(target, "blk.0.ffn_down.weight").type == "Q6_K"
-    assert precision.candidates(tensor(target, "blk.0.ffn_down.weight")) == ["Q5_K", "Q5_0", "Q4_K", "Q4_0", "Q3_K",
+    assert qtypes.candidates(tensor(target, "blk.0.ffn_down.weight")) == ["Q5_K", "Q5_0", "Q4_K", "Q4_0", "Q3_K",
                                                                              "Q2_K"]
-    assert precision.candidates(tensor(target, "blk.0.attn_q.weight")) == ["Q3_K", "Q2_K"]
-    assert precision.candidates(tensor(target, "blk.0.attn_norm.weight")) == []
-    draft = header(models.DRAFT_MODEL)  # 896-wide rows: only the 32-weight types
-    assert precision.candidates(tensor(draft, "blk.0.attn_q.weight")) == ["Q4_0"]
-    assert precision.candidates(tensor(draft, "blk.0.attn_v.weight")) in (["Q5_0", "Q4_0"], ["Q4_0"])
+    assert qtypes.candidates(tensor(target, "blk.0.attn_q.weight")) == ["Q3_K", "Q2_K"]
+    assert qtypes.candidates(tensor(target, "blk.0.attn_norm.weight")) == []
+    draft = header(catalog.DRAFT_MODEL)  # 896-wide rows: only the 32-weight types
+    assert qtypes.candidates(tensor(draft, "blk.0.attn_q.weight")) == ["Q4_0"]
+    assert qtypes.candidates(tensor(draft, "blk.0.attn_v.weight")) in (["Q5_0", "Q4_0"], ["Q4_0"])
 
 
 def test_a_group_offers_one_type_per_size():
-    target = header(models.DEFAULT_MODEL)
+    target = header(catalog.DEFAULT_MODEL)
     gs = sensitivity.groups(target, 4)
     names = {g.name for g in gs}
     assert {"ffn_down@0-6:Q6_K", "ffn_down@0-6:Q4_K", "attn_q@21-27:Q4_K", "output:Q6_K"} <= names
-    assert sum(len(g.tensors) for g in gs) == sum(precision.quantizable(t) for t in target.tensors)
+    assert sum(len(g.tensors) for g in gs) == sum(qtypes.quantizable(t) for t in target.tensors)
     down = next(g for g in gs if g.name == "ffn_down@0-6:Q6_K")
     assert sensitivity.group_candidates(target, down) == ["Q5_K", "Q4_K", "Q3_K", "Q2_K"]  # not Q5_0, Q4_0 too
 
 
 def test_check_names_the_tensor_and_why():
-    draft = header(models.DRAFT_MODEL)
+    draft = header(catalog.DRAFT_MODEL)
     with pytest.raises(FlexoffloadError, match=r"blk\.0\.attn_q\.weight cannot take Q3_K: its rows are 896 weights"):
-        precision.check(tensor(draft, "blk.0.attn_q.weight"), "Q3_K")
+        qtypes.check(tensor(draft, "blk.0.attn_q.weight"), "Q3_K")
     with pytest.raises(FlexoffloadError, match="Q8_K has no dot product in the CPU backend"):
-        precision.check(tensor(draft, "blk.0.ffn_down.weight"), "Q8_K")
+        qtypes.check(tensor(draft, "blk.0.ffn_down.weight"), "Q8_K")
     with pytest.raises(FlexoffloadError, match="IQ2_XS needs an importance matrix"):
-        precision.check(tensor(draft, "blk.0.ffn_down.weight"), "IQ2_XS")
+        qtypes.check(tensor(draft, "blk.0.ffn_down.weight"), "IQ2_XS")
     with pytest.raises(FlexoffloadError, match="not a weight matrix"):
-        precision.check(tensor(draft, "blk.0.attn_norm.weight"), "Q4_0")
+        qtypes.check(tensor(draft, "blk.0.attn_norm.weight"), "Q4_0")
     with pytest.raises(FlexoffloadError, match="Q9_K is not a ggml type"):
-        precision.check(tensor(draft, "blk.0.ffn_down.weight"), "Q9_K")
+        qtypes.check(tensor(draft, "blk.0.ffn_down.weight"), "Q9_K")
     with pytest.raises(FlexoffloadError, match="has no tensor blk.99"):
-        precision.validate(draft, {"blk.99.ffn_down.weight": "Q4_0"})
+        qtypes.validate(draft, {"blk.99.ffn_down.weight": "Q4_0"})
 
 
 def test_requantize_changes_the_plan_s_tensors_only(wide, cache):
     types = {"blk.0.ffn_down.weight": "Q3_K", "blk.1.attn_q.weight": "Q2_K"}
-    path = precision.requantize(wide, types)
+    path = qtypes.requantize(wide, types)
     out = load(path)
     assert {t.name: t.type for t in out.tensors if t.type != tensor(wide, t.name).type} == types
-    assert out.weight_bytes == precision.mixed_bytes(wide, types) < wide.weight_bytes
+    assert out.weight_bytes == qtypes.mixed_bytes(wide, types) < wide.weight_bytes
     for name in ("blk.0.ffn_up.weight", "token_embd.weight", "blk.1.attn_norm.weight"):  # copied byte for byte
         a, b = tensor(wide, name), tensor(out, name)
         with open(wide.path, "rb") as f, open(path, "rb") as g:
@@ -111,8 +111,8 @@ def test_requantize_changes_the_plan_s_tensors_only(wide, cache):
             g.seek(b.offset)
             assert f.read(a.n_bytes) == g.read(b.n_bytes)
     stamp = path.stat().st_mtime_ns
-    assert precision.requantize(wide, types) == path and path.stat().st_mtime_ns == stamp  # cached by its inputs
-    assert precision.requantize(wide, {"blk.0.ffn_down.weight": "Q2_K"}) != path
+    assert qtypes.requantize(wide, types) == path and path.stat().st_mtime_ns == stamp  # cached by its inputs
+    assert qtypes.requantize(wide, {"blk.0.ffn_down.weight": "Q2_K"}) != path
 
 
 def test_a_failed_requantization_leaves_no_file(pair, cache, tmp_path):
@@ -120,18 +120,18 @@ def test_a_failed_requantization_leaves_no_file(pair, cache, tmp_path):
     cut = tmp_path / "cut.gguf"  # a whole header, the weights cut short
     cut.write_bytes(original.path.read_bytes()[:original.file_size // 2])
     with pytest.raises(FlexoffloadError, match="GGUF file is truncated"):
-        precision.requantize(file, {"blk.0.ffn_down.weight": "Q3_K"}, original=cut)
+        qtypes.requantize(file, {"blk.0.ffn_down.weight": "Q3_K"}, original=cut)
     matrix = tmp_path / "bad.imatrix.gguf"  # llama-quantize starts, then fails reading it
     matrix.write_bytes(b"GGUF" + b"\0" * 64)
     with pytest.raises(FlexoffloadError, match="llama-quantize failed"):
-        precision.requantize(file, {"blk.0.ffn_down.weight": "Q3_K"}, matrix, original.path)
+        qtypes.requantize(file, {"blk.0.ffn_down.weight": "Q3_K"}, matrix, original.path)
     assert not list((cache / "mixed").iterdir())
 
 
 def test_quantizing_from_the_original_loses_less_than_requantizing(pair, cache):
     original, file = pair
-    types = {t.name: "Q3_K" for t in file.tensors if precision.quantizable(t) and t.layer is not None}
-    twice, once = precision.requantize(file, types), precision.requantize(file, types, original=original.path)
+    types = {t.name: "Q3_K" for t in file.tensors if qtypes.quantizable(t) and t.layer is not None}
+    twice, once = qtypes.requantize(file, types), qtypes.requantize(file, types, original=original.path)
     assert {t.name: t.type for t in load(once).tensors} == {t.name: t.type for t in load(twice).tensors}
     a, b = tensor(file, "token_embd.weight"), tensor(load(once), "token_embd.weight")  # not lowered: Q4_0 again
     with open(file.path, "rb") as f, open(once, "rb") as g:
@@ -150,7 +150,7 @@ def test_the_original_must_be_the_file_s_weights_unquantized(pair, wide, cache, 
     differs = r"other.gguf is not the original of file.gguf: blk.0.ffn_\w+.weight is (768x256|256x768), not"
     for path, message in ((wide.path, r"wide.gguf is quantized \(\S+ is Q4_0\)"), (other, differs)):
         with pytest.raises(FlexoffloadError, match=message):
-            precision.check_original(file, path)
+            qtypes.check_original(file, path)
     r = cli("plan", "-m", str(file.path), "--mem", "120M", "--max-kld", "0.1", "--original", str(original.path),
             "-o", "x")
     assert r.returncode != 0 and "go with --precision auto" in r.stderr
@@ -164,10 +164,10 @@ def test_kl_divergence_is_zero_against_itself_and_grows_with_fewer_bits(wide, ca
     base = sensitivity.kld_base(wide, text, n_ctx=256, n_chunks=2)
     own = sensitivity.kld(wide.path, base, text, n_ctx=256, n_chunks=2)
     assert own["kld"] < 1e-5 and own["same_top"] == 1.0 and own["ppl"] == pytest.approx(own["ppl_base"])
-    matrices = [t.name for t in wide.tensors if precision.quantizable(t) and t.layer is not None]
+    matrices = [t.name for t in wide.tensors if qtypes.quantizable(t) and t.layer is not None]
     harm = {}
     for ty in ("Q3_K", "Q2_K"):
-        path = precision.requantize(wide, {n: ty for n in matrices})
+        path = qtypes.requantize(wide, {n: ty for n in matrices})
         harm[ty] = sensitivity.kld(path, base, text, n_ctx=256, n_chunks=2)["kld"]
     assert 0 < harm["Q3_K"] < harm["Q2_K"]
 

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from flexoffload.plan import costmodel
-from flexoffload.measure import profile
+from flexoffload.measure import profiler
 from flexoffload.gguf import synth
 from flexoffload.gguf.model import load
 from flexoffload.plan.planners import is_small
@@ -21,8 +21,8 @@ def model(tmp_path_factory):
 
 def test_pass_requests_cover_every_streamable_tensor_aligned(model):
     chunk = 512 << 10  # the 2 MiB output then reads in four chunks, as the runtime would
-    requests = profile.pass_requests(model, max_bytes=1 << 30, chunk_bytes=chunk)
-    assert all(off % profile.ALIGN == 0 and n % profile.ALIGN == 0 and off + n < model.file_size + profile.ALIGN
+    requests = profiler.pass_requests(model, max_bytes=1 << 30, chunk_bytes=chunk)
+    assert all(off % profiler.ALIGN == 0 and n % profiler.ALIGN == 0 and off + n < model.file_size + profiler.ALIGN
                for off, n in requests)
     matmul = [t for t in model.tensors if t.kind in costmodel.MATMUL_KINDS and not is_small(t)]
     assert {t.kind for t in matmul} == {"attn_q", "attn_output", "ffn_gate", "ffn_up", "ffn_down", "output"}
@@ -33,29 +33,29 @@ def test_pass_requests_cover_every_streamable_tensor_aligned(model):
         assert len(covered) >= costmodel.read_requests(t, chunk)
     output = next(t for t in model.tensors if t.kind == "output")
     inside = [n for off, n in requests if output.offset <= off < output.offset + output.n_bytes]
-    assert len(inside) >= 3 and max(inside) <= chunk + 2 * profile.ALIGN
+    assert len(inside) >= 3 and max(inside) <= chunk + 2 * profiler.ALIGN
     # small tensors (resident in every plan) and token_embd (read by rows) are not read
     for t in model.tensors:
-        if is_small(t) and t.n_bytes > 2 * profile.ALIGN:
-            assert not any(t.offset + profile.ALIGN <= off < t.offset + t.n_bytes - profile.ALIGN for off, _ in requests)
+        if is_small(t) and t.n_bytes > 2 * profiler.ALIGN:
+            assert not any(t.offset + profiler.ALIGN <= off < t.offset + t.n_bytes - profiler.ALIGN for off, _ in requests)
     embd = next(t for t in model.tensors if t.kind == "token_embd")
-    assert not any(embd.offset + profile.ALIGN <= off < embd.offset + embd.n_bytes - profile.ALIGN
+    assert not any(embd.offset + profiler.ALIGN <= off < embd.offset + embd.n_bytes - profiler.ALIGN
                    for off, _ in requests)
 
 
 def test_pass_requests_sample_the_file_within_max_bytes(model):
-    everything = profile.pass_requests(model, max_bytes=1 << 30)
-    some = profile.pass_requests(model, max_bytes=sum(n for _, n in everything) // 3)
+    everything = profiler.pass_requests(model, max_bytes=1 << 30)
+    some = profiler.pass_requests(model, max_bytes=sum(n for _, n in everything) // 3)
     assert 0 < sum(n for _, n in some) < sum(n for _, n in everything)
     assert max(off for off, _ in some) > model.file_size // 2  # spread over the file, not its start
 
 
 def test_disk_speed_measures_the_file(model, tiny_model):
-    disk = profile.disk_speed(model, passes=2)
+    disk = profiler.disk_speed(model, passes=2)
     assert disk.bandwidth > 1e6 and 0 < disk.latency < 1
     tiny = load(tiny_model)  # every tensor small: it reads them all the same
-    assert len(profile.pass_requests(tiny, 1 << 30)) == sum(t.kind in costmodel.MATMUL_KINDS for t in tiny.tensors)
-    assert profile.disk_speed(tiny, passes=1).bandwidth > 0
+    assert len(profiler.pass_requests(tiny, 1 << 30)) == sum(t.kind in costmodel.MATMUL_KINDS for t in tiny.tensors)
+    assert profiler.disk_speed(tiny, passes=1).bandwidth > 0
 
 
 def test_the_best_bandwidth_is_kept_per_device_and_only_raised(tmp_path, monkeypatch):
@@ -68,18 +68,18 @@ def test_the_best_bandwidth_is_kept_per_device_and_only_raised(tmp_path, monkeyp
     monkeypatch.setenv("FLEXOFFLOAD_CACHE", str(tmp_path / "cache"))
     f = tmp_path / "model.gguf"
     f.write_bytes(b"x")
-    assert profile.best_disk_bw(f) == 0.0
-    profile.record_disk_bw(f, 1.5e9, "profile")
-    profile.record_disk_bw(f, 1.2e9, "run")  # lower: kept as it was
-    assert profile.best_disk_bw(f) == 1.5e9
-    profile.record_disk_bw(f, 2.1e9, "run")
-    assert profile.best_disk_bw(f) == 2.1e9
-    assert profile.best_disk_bw(tmp_path / "missing.gguf") == 0.0
+    assert profiler.best_disk_bw(f) == 0.0
+    profiler.record_disk_bw(f, 1.5e9, "profile")
+    profiler.record_disk_bw(f, 1.2e9, "run")  # lower: kept as it was
+    assert profiler.best_disk_bw(f) == 1.5e9
+    profiler.record_disk_bw(f, 2.1e9, "run")
+    assert profiler.best_disk_bw(f) == 2.1e9
+    assert profiler.best_disk_bw(tmp_path / "missing.gguf") == 0.0
 
     # a profile carries the device's best (measure sets it from best_disk_bw); the roofline's is the higher
-    slow = Profile(disk_bw=1.0e9, peak_disk_bw=profile.best_disk_bw(f))
+    slow = Profile(disk_bw=1.0e9, peak_disk_bw=profiler.best_disk_bw(f))
     assert planners.ceiling(slow) == replace(slow, disk_bw=2.1e9)
-    assert planners.ceiling(Profile(disk_bw=3e9, peak_disk_bw=profile.best_disk_bw(f))).disk_bw == 3e9
+    assert planners.ceiling(Profile(disk_bw=3e9, peak_disk_bw=profiler.best_disk_bw(f))).disk_bw == 3e9
 
 
 def _timings(gb_s: float, stall_share: float, n_bytes: int = 1 << 30, buffered: int = 0) -> dict:
@@ -97,29 +97,29 @@ def test_runs_the_disk_paced_set_the_bandwidth_plans_predict_with(tmp_path, monk
     monkeypatch.setenv("FLEXOFFLOAD_CACHE", str(tmp_path / "cache"))
     f = tmp_path / "model.gguf"
     f.write_bytes(b"x")
-    assert profile.typical_disk_bw(f, 3e9) == 3e9
-    profile.record_run(f, _timings(1.0, 0.05))  # compute-bound
-    profile.record_run(f, _timings(1.0, 0.9), typical=False)  # speculative, or window 0
-    profile.record_run(f, _timings(1.0, 0.9, n_bytes=profile.SUSTAINED_BYTES - 1))
-    profile.record_run(f, _timings(1.0, 0.9, buffered=1))
-    assert profile.seen_disk_bw(f) == []
-    assert profile.best_disk_bw(f) == 1e9  # the ceiling: any long O_DIRECT run, alone or not
+    assert profiler.typical_disk_bw(f, 3e9) == 3e9
+    profiler.record_run(f, _timings(1.0, 0.05))  # compute-bound
+    profiler.record_run(f, _timings(1.0, 0.9), typical=False)  # speculative, or window 0
+    profiler.record_run(f, _timings(1.0, 0.9, n_bytes=profiler.SUSTAINED_BYTES - 1))
+    profiler.record_run(f, _timings(1.0, 0.9, buffered=1))
+    assert profiler.seen_disk_bw(f) == []
+    assert profiler.best_disk_bw(f) == 1e9  # the ceiling: any long O_DIRECT run, alone or not
     for gb_s in (2.0, 1.8, 1.9):
-        profile.record_run(f, _timings(gb_s, 0.5))
-    assert profile.seen_disk_bw(f) == pytest.approx([2.0e9, 1.8e9, 1.9e9])
-    assert profile.typical_disk_bw(f, 3e9) == pytest.approx(1.95e9)  # median of 3.0, 2.0, 1.9, 1.8
-    for i in range(profile.SEEN_KEEP):
-        profile.record_run(f, _timings(1.0 + i / 100, 0.5))
-    assert profile.seen_disk_bw(f)[0] == pytest.approx(1.0e9)  # the oldest go
-    assert len(profile.seen_disk_bw(f)) == profile.SEEN_KEEP
+        profiler.record_run(f, _timings(gb_s, 0.5))
+    assert profiler.seen_disk_bw(f) == pytest.approx([2.0e9, 1.8e9, 1.9e9])
+    assert profiler.typical_disk_bw(f, 3e9) == pytest.approx(1.95e9)  # median of 3.0, 2.0, 1.9, 1.8
+    for i in range(profiler.SEEN_KEEP):
+        profiler.record_run(f, _timings(1.0 + i / 100, 0.5))
+    assert profiler.seen_disk_bw(f)[0] == pytest.approx(1.0e9)  # the oldest go
+    assert len(profiler.seen_disk_bw(f)) == profiler.SEEN_KEEP
 
 
 def test_a_profile_plans_with_the_typical_bandwidth(tiny_model, tmp_path, monkeypatch):
     """The profile's own measure stays in its cache; what planning gets is the median with the runs since."""
     monkeypatch.setenv("FLEXOFFLOAD_CACHE", str(tmp_path / "cache"))
     m = load(tiny_model)
-    measured = profile.measure(m, 1).disk_bw
+    measured = profiler.measure(m, 1).disk_bw
     for _ in range(2):
-        profile.record_run(tiny_model, _timings(measured / 4e9, 0.5))
-    assert profile.measure(m, 1).disk_bw == pytest.approx(measured / 4)
-    assert json.loads(profile._cache_path(m, 1).read_text())["disk_bw"] == measured
+        profiler.record_run(tiny_model, _timings(measured / 4e9, 0.5))
+    assert profiler.measure(m, 1).disk_bw == pytest.approx(measured / 4)
+    assert json.loads(profiler._cache_path(m, 1).read_text())["disk_bw"] == measured

@@ -19,7 +19,7 @@ from flexoffload.native import devices
 from flexoffload.plan import placement
 from flexoffload.bench import machines as rpc
 from flexoffload.gguf import synth
-from flexoffload.plan import plan as plans
+from flexoffload.plan import plans
 from flexoffload.gguf.model import load
 
 

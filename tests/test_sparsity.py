@@ -1,4 +1,4 @@
-"""Predicted neurons (issue 31: measure/sparsity.py, plan/sparsity.py, run --sparsity, profile --neurons) on a tiny
+"""Predicted neurons (issue 31: measure/sparsity.py, plan/levels.py, run --sparsity, profile --neurons) on a tiny
 synthetic dense qwen2 (random weights): the grouped file is built once and cached, each level's quality is measured,
 a level's file differs from the grouped one in its expert_used_count alone, and a run at a level writes what
 llama-completion writes for that file, in memory and streamed under a budget."""
@@ -15,7 +15,7 @@ from flexoffload import FlexoffloadError
 from flexoffload.gguf import moefy, synth
 from flexoffload.gguf.model import load
 from flexoffload.measure import sparsity
-from flexoffload.plan import sparsity as levels
+from flexoffload.plan import levels
 
 SHAPE = synth.SHAPES["qwen2-tiny"]  # n_ff 256: 6 groups of 32 and 64 hot neurons
 N_GROUP = 6

@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 
 from flexoffload.runtime import engine
-from flexoffload.gguf import models
+from flexoffload.gguf import catalog
 from flexoffload.runtime import speculate
 from flexoffload.runtime import spectree
 from flexoffload.gguf import synth
@@ -175,10 +175,10 @@ def test_sampled_tree_output_is_distributed_as_the_target(tiny_pair):
 
 @pytest.fixture(scope="module")
 def draft_model():
-    entry = models.CATALOG["qwen2.5-coder-0.5b-instruct"]
-    if not models.is_present(entry):
+    entry = catalog.CATALOG["qwen2.5-coder-0.5b-instruct"]
+    if not catalog.is_present(entry):
         pytest.fail(f"{entry.name} is not fetched: run `flexoffload models fetch` (make test does)")
-    return models.model_path(entry)
+    return catalog.model_path(entry)
 
 
 PROMPTS = (
@@ -252,7 +252,7 @@ def test_real_verification_pass_without_tiled_kernels_equals_one_token_passes(re
 def test_real_draft_reads_its_token_embd_by_rows(draft_model):
     """The 0.5B draft has an output matrix of its own, so its token_embd (89 MiB) is only looked up: it is read a
     row per token, never kept, and the draft's tokens are those of the draft loaded whole."""
-    from flexoffload.measure import footprint
+    from flexoffload.measure import probe
     from flexoffload.native import stream
     from flexoffload.plan import costmodel
     from flexoffload.plan.planners import resident_bytes
@@ -260,7 +260,7 @@ def test_real_draft_reads_its_token_embd_by_rows(draft_model):
     model = load(draft_model)
     assert speculate.draft_by_rows(model) == ["token_embd.weight"]
     embd = next(t for t in model.tensors if t.name == "token_embd.weight")
-    run = footprint.measure(model, 512, 64, 16)
+    run = probe.measure(model, 512, 64, 16)
     kept = resident_bytes(model, run) - resident_bytes(model, run, by_rows=[embd.name])
     assert kept == embd.n_bytes - costmodel.rows_memory(embd)
     base = engine.Settings(n_ctx=512, n_batch=64, temp=0.0, strategy="mmap")

@@ -1,4 +1,4 @@
-"""Per-step memory (memory/stepmem.py, measure/stepmem.py): llama.cpp's dry run reports what a real context
+"""Per-step memory (memory/stepmem.py, measure/dryrun.py): llama.cpp's dry run reports what a real context
 allocates, ubatch and attention path change the compute buffer as the graph says, the longest prompt a budget holds
 is the last that fits, and a prefill in ubatches of 16 and of 32 gives the greedy tokens of one pass over the whole
 prompt."""
@@ -12,8 +12,8 @@ from conftest import cli
 from flexoffload import api
 from flexoffload.gguf import synth
 from flexoffload.gguf.model import load
-from flexoffload.measure import footprint
-from flexoffload.measure import stepmem as measured_stepmem
+from flexoffload.measure import probe
+from flexoffload.measure import dryrun as measured_stepmem
 from flexoffload.memory import stepmem
 
 
@@ -25,7 +25,7 @@ def qwen2(tmp_path_factory):
 
 
 def test_the_dry_run_reports_what_a_real_context_allocates(qwen2):
-    real = footprint.measure(qwen2, 256, 64)  # a context made for real, weights streamed
+    real = probe.measure(qwen2, 256, 64)  # a context made for real, weights streamed
     dry = measured_stepmem.buffers(qwen2, [stepmem.Setting(256, 64, "auto")])[0]
     assert (dry.kv_cache, dry.compute) == (real.kv_cache, real.compute)
 
@@ -112,7 +112,7 @@ def test_a_prompt_too_long_is_refused_before_loading(qwen2, tmp_path):
 
 
 def test_a_long_prompt_gets_its_ubatch_chosen_and_the_same_tokens(qwen2, monkeypatch):
-    from flexoffload.measure import prefill
+    from flexoffload.measure import ubatches
 
     monkeypatch.setattr(api, "LONG_PROMPT", 32)
     prompt = " ".join(f"w{i}" for i in range(150))
@@ -122,7 +122,7 @@ def test_a_long_prompt_gets_its_ubatch_chosen_and_the_same_tokens(qwen2, monkeyp
     u = prepared.request.n_ubatch
     assert u in stepmem.UBATCHES and prepared.request.n_batch >= u and prepared.request.flash_attn == "on"
     assert any("ubatches of" in n for n in prepared.notes)
-    rate = prefill.rates(qwen2, request.n_threads)
+    rate = ubatches.rates(qwen2, request.n_threads)
     assert set(rate) == set(stepmem.UBATCHES) and all(s > 0 for s in rate.values())
     chosen = api.run_prepared(prepared)
     same = api.generate(api.Request(model=str(qwen2.path), prompt=prompt, n_predict=6, temp=0, n_ctx=512,

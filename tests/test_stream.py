@@ -54,11 +54,11 @@ def test_stream_everything_matches_mmap(streamable_model, strategy):
 def test_every_policy_matches_mmap_under_a_budget(streamable_model, policy):
     m = load(streamable_model)
     base = run_json(streamable_model, "a b c", 8, "--strategy", "mmap")
-    from flexoffload.measure import footprint
-    from flexoffload.memory import budget as budgets
+    from flexoffload.measure import probe
+    from flexoffload.memory import budgets
 
     # runtime, KV cache and compute buffers, then half the weights for resident tensors and the window
-    budget = budgets.holding(m, m.weight_bytes // 2, footprint.measure(m, 512, 512))
+    budget = budgets.holding(m, m.weight_bytes // 2, probe.measure(m, 512, 512))
     out = run_json(streamable_model, "a b c", 8, "--mem", str(budget), "--policy", policy)
     assert out["strategy"] == "stream" and out["plan"]["policy"] == policy
     assert out["tokens"] == base["tokens"]
@@ -97,35 +97,35 @@ def test_real_model_stream_under_enforced_budget_records_what_it_read(real_model
     read to the disk's record: its bandwidth (its bytes over its read time) raises the device's best, and joins the
     runs plans predict with exactly when its compute waited on reads for IO_BOUND_SHARE of that time. Which of the
     two it was depends on how busy the machine is, so either is accepted, each checked for what it implies."""
-    from flexoffload.measure import profile
+    from flexoffload.measure import profiler
 
-    before = profile.seen_disk_bw(real_model)
+    before = profiler.seen_disk_bw(real_model)
     out = run_json(real_model, PROMPT, 16, "--mem", "0.4x", "--enforce")
     size_mb = real_model.stat().st_size / 2**20
     assert out["enforced"] and out["strategy"] == "stream"
     assert out["peak_mem_mb"] <= 0.4 * size_mb + 1
     t = out["timings"]
     assert t["stream_rereads"] == 0 and t["stream_direct"] == t["stream_reads"] > 0
-    assert t["stream_bytes_read"] >= profile.SUSTAINED_BYTES  # long enough to say something of the disk
+    assert t["stream_bytes_read"] >= profiler.SUSTAINED_BYTES  # long enough to say something of the disk
     read_bw = t["stream_read_gb_s"] * 1e9
-    assert profile.best_disk_bw(real_model) >= read_bw * (1 - 1e-9)
-    if t["stream_stall_s"] >= profile.IO_BOUND_SHARE * t["stream_bytes_read"] / read_bw:
-        assert profile.seen_disk_bw(real_model) == pytest.approx((before + [read_bw])[-profile.SEEN_KEEP:])
+    assert profiler.best_disk_bw(real_model) >= read_bw * (1 - 1e-9)
+    if t["stream_stall_s"] >= profiler.IO_BOUND_SHARE * t["stream_bytes_read"] / read_bw:
+        assert profiler.seen_disk_bw(real_model) == pytest.approx((before + [read_bw])[-profiler.SEEN_KEEP:])
     else:
-        assert profile.seen_disk_bw(real_model) == before
+        assert profiler.seen_disk_bw(real_model) == before
 
 
 @pytest.mark.integration
 def test_real_model_sync_run_does_not_count_toward_the_typical_disk(real_model):
     """sync reads each tensor as compute reaches it (window 0): its compute waits on every read, but its bytes over
     its time are below what the disk gives with reads ahead, so plans do not predict with them."""
-    from flexoffload.measure import profile
+    from flexoffload.measure import profiler
 
-    before = profile.seen_disk_bw(real_model)
+    before = profiler.seen_disk_bw(real_model)
     t = run_json(real_model, PROMPT, 4, "--strategy", "sync", "--mem", "0.5x")["timings"]
-    assert t["stream_bytes_read"] >= profile.SUSTAINED_BYTES and t["stream_direct"] == t["stream_reads"]
+    assert t["stream_bytes_read"] >= profiler.SUSTAINED_BYTES and t["stream_direct"] == t["stream_reads"]
     assert t["stream_stall_s"] > 0
-    assert profile.seen_disk_bw(real_model) == before
+    assert profiler.seen_disk_bw(real_model) == before
 
 
 LONG_PROMPT = " ".join("abcdefghijklmnopqrstuvwxyz") * 3 + " aa ab ac ad"  # > 2 chunks of rows in one ubatch
@@ -137,7 +137,7 @@ def test_logits_are_bit_exact(streamable_model):
     import numpy as np
 
     from flexoffload.runtime import engine
-    from flexoffload.plan import plan as plans
+    from flexoffload.plan import plans
     from flexoffload.plan.planners import always_resident
 
     m = load(streamable_model)
@@ -162,7 +162,7 @@ def test_streamed_token_embd_reads_only_its_rows(streamable_model, window):
 
     from flexoffload.plan import costmodel
     from flexoffload.runtime import engine
-    from flexoffload.plan import plan as plans
+    from flexoffload.plan import plans
     from flexoffload.native import stream
     from flexoffload.plan.planners import always_resident
 
@@ -197,7 +197,7 @@ _TRUNCATE_MID_RUN = r"""
 import json, os, shutil, sys
 from flexoffload import FlexoffloadError
 from flexoffload.gguf.model import load
-from flexoffload.plan import plan as plans
+from flexoffload.plan import plans
 from flexoffload.plan.planners import always_resident
 from flexoffload.runtime import engine
 
@@ -247,7 +247,7 @@ _LOCKED = r"""
 import json, resource, sys
 from flexoffload.gguf.model import load
 from flexoffload.native import stream
-from flexoffload.plan import plan as plans
+from flexoffload.plan import plans
 from flexoffload.plan.planners import always_resident
 from flexoffload.runtime import engine
 
@@ -301,7 +301,7 @@ _TWO_MODELS = r"""
 import json, sys, time
 from flexoffload.gguf.model import load
 from flexoffload.native import stream
-from flexoffload.plan import plan as plans
+from flexoffload.plan import plans
 from flexoffload.plan.planners import always_resident
 from flexoffload.runtime import engine
 
@@ -420,7 +420,7 @@ def _chunked_run(model, strategy, window, streamed, chunk_bytes, n_batch_tokens)
     import ctypes
 
     from flexoffload.runtime import engine
-    from flexoffload.plan import plan as plans
+    from flexoffload.plan import plans
     from flexoffload.native import stream
 
     m = load(model)

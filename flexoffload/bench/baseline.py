@@ -19,8 +19,8 @@ import re
 from dataclasses import asdict, dataclass
 
 from flexoffload import FlexoffloadError
-from flexoffload.memory import budget as budgets
-from flexoffload.memory.budget import format_size
+from flexoffload.memory import budgets
+from flexoffload.memory.budgets import format_size
 from flexoffload.native import tool
 
 

@@ -20,7 +20,7 @@ import subprocess
 import time
 
 from flexoffload import FlexoffloadError
-from flexoffload.memory.budget import MemoryCgroup
+from flexoffload.memory.budgets import MemoryCgroup
 from flexoffload.native import SPIN_COUNT
 from flexoffload.native.devices import RPC_PORT, probe_rpc
 

@@ -15,10 +15,10 @@ from dataclasses import asdict, dataclass, is_dataclass
 from tqdm import tqdm
 
 from flexoffload import FlexoffloadError
-from flexoffload.gguf import models as catalog
+from flexoffload.gguf import catalog
 from flexoffload.gguf.model import load
-from flexoffload.memory import budget as budgets
-from flexoffload.memory.budget import MiB
+from flexoffload.memory import budgets
+from flexoffload.memory.budgets import MiB
 
 DEFAULT_PROMPT = "def quicksort(arr):\n    \"\"\"Sort a list of numbers in ascending order.\"\"\"\n"
 from flexoffload.defaults import POLICIES, STRATEGIES  # a bench entry is a strategy, or a policy `stream` runs by
@@ -69,7 +69,7 @@ def run(model_spec, mems, strategies, repetitions, n_predict, prompt, n_ctx, n_t
         strategy_fields(name)  # unknown names fail before anything runs
     profile = None
     if any(name != "mmap" for name in strategies):
-        from flexoffload.measure import profile as profiler
+        from flexoffload.measure import profiler
 
         profile = profiler.measure(model, n_threads)
     unavailable = budgets.cgroup_unavailable()
@@ -84,9 +84,9 @@ def run(model_spec, mems, strategies, repetitions, n_predict, prompt, n_ctx, n_t
     with tqdm(total=total, desc="bench", unit="run", file=sys.stderr, disable=None) as bar:
         for label, limit in budgets_bytes:
             if "tuned" in strategies:
-                from flexoffload.measure import tune
+                from flexoffload.measure import tuning
 
-                if tune.cached(model, limit, n_ctx, 512) is None:
+                if tuning.cached(model, limit, n_ctx, 512) is None:
                     bar.set_postfix_str(f"{label} tuning")
                     api.tune(model, limit, profile, n_ctx, 512)
             # the strategies in turn within each repetition, not one strategy's repetitions in a row: the disk's
@@ -134,12 +134,12 @@ def run(model_spec, mems, strategies, repetitions, n_predict, prompt, n_ctx, n_t
 
 def roofline_row(model, profile, label: str, limit: int, n_ctx: int, n_batch: int = 512) -> Row:
     """What any resident set could reach at this budget if streaming were perfect (the issue's definition)."""
-    from flexoffload.measure import footprint
+    from flexoffload.measure import probe
     from flexoffload.memory.footprint import slack
     from flexoffload.plan.costmodel import roofline
     from flexoffload.plan.planners import ceiling
 
-    run = footprint.measure(model, n_ctx, n_batch)
+    run = probe.measure(model, n_ctx, n_batch)
     capacity = limit - run.total - run.runtime - run.code - slack(limit)
     tok_s = roofline(model, ceiling(profile), max(capacity, 0))
     return Row(model=model.path.name, size_mb=model.file_size / MiB, budget=label, budget_mb=limit / MiB,

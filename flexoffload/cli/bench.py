@@ -7,7 +7,7 @@ import os
 import click
 
 from flexoffload.cli.common import _errors_as_one_line
-from flexoffload.gguf import models as catalog
+from flexoffload.gguf import catalog
 
 
 @click.command()

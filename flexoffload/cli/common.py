@@ -62,7 +62,7 @@ def _report(result: dict, as_json: bool) -> None:
 
 
 def _precision_options(f):
-    """run's and plan's --precision auto, its bounds and the original weights (measure/mixed.py)."""
+    """run's and plan's --precision auto, its bounds and the original weights (measure/precision.py)."""
     f = click.option("--original", type=click.Path(exists=True, dir_okay=False), default=None, metavar="GGUF",
                      help="with --precision auto: the model's original F16/BF16 weights, quantized from instead of "
                           "requantizing the file (a second rounding loses more)")(f)

@@ -7,7 +7,7 @@ import json
 import click
 
 from flexoffload.cli.common import _errors_as_one_line
-from flexoffload.memory.budget import format_size
+from flexoffload.memory.budgets import format_size
 
 
 @click.command()

@@ -7,8 +7,8 @@ import json
 import click
 
 from flexoffload.cli.common import _errors_as_one_line
-from flexoffload.gguf import models as catalog
-from flexoffload.memory.budget import format_size
+from flexoffload.gguf import catalog
+from flexoffload.memory.budgets import format_size
 
 
 @click.command()

@@ -9,9 +9,9 @@ import click
 
 from flexoffload import FlexoffloadError
 from flexoffload.cli.common import _errors_as_one_line
-from flexoffload.gguf import models as catalog
+from flexoffload.gguf import catalog
 from flexoffload.gguf import synth  # synth's choices are its shapes; cheap to import (no numpy until it writes)
-from flexoffload.memory.budget import format_size
+from flexoffload.memory.budgets import format_size
 
 
 @click.group()

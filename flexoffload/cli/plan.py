@@ -13,16 +13,16 @@ import click
 
 from flexoffload import FlexoffloadError
 from flexoffload.cli.common import PLACEMENTS, _errors_as_one_line, _precision_options
-from flexoffload.gguf import models as catalog
-from flexoffload.memory import budget as budgets
-from flexoffload.memory.budget import MiB, format_size
+from flexoffload.gguf import catalog
+from flexoffload.memory import budgets
+from flexoffload.memory.budgets import MiB, format_size
 from flexoffload.runtime.engine import KV_TYPES
 
 
 def _plan_prompt(model, mem, max_prompt, prompt_len, n_predict, flash_attn, cache_types, as_json):
     """`plan --max-prompt` and `plan --prompt-len L`: long prompts under a budget (memory/stepmem.py, as measured
-by measure/stepmem.py)."""
-    from flexoffload.measure import stepmem as measured
+by measure/dryrun.py)."""
+    from flexoffload.measure import dryrun as measured
     from flexoffload.memory import stepmem
 
     budget = budgets.parse_size(mem, model.file_size)
@@ -73,9 +73,9 @@ by measure/stepmem.py)."""
 
 def _plan_placement(model, rpc, mem, placement, profile, threads, n_ctx, n_batch, io_threads, out_dir, as_json):
     """`plan --rpc`: weights placed across the servers' devices, the host's share planned under its budget."""
-    from flexoffload.measure.placement import for_endpoints
+    from flexoffload.measure.servers import for_endpoints
     from flexoffload.native import devices
-    from flexoffload.plan import plan as plans
+    from flexoffload.plan import plans
 
     endpoints = devices.parse_endpoints(rpc)
     for endpoint in endpoints:
@@ -101,12 +101,12 @@ def _plan_placement(model, rpc, mem, placement, profile, threads, n_ctx, n_batch
 
 def _plan_precision(model, budget, profile, ctx_size, batch_size, threads, io_threads, max_kld, min_tok_s, original,
                     out_dir, as_json):
-    """plan --precision auto: precision and residency together (measure/mixed.py), the requantized file's quality
+    """plan --precision auto: precision and residency together (measure/precision.py), the requantized file's quality
     measured."""
     from tqdm import tqdm
 
-    from flexoffload.measure import mixed
-    from flexoffload.plan import plan as plans
+    from flexoffload.measure import precision
+    from flexoffload.plan import plans
 
     bar = tqdm(desc="precision", unit="group", file=sys.stderr, disable=None)
 
@@ -114,7 +114,7 @@ def _plan_precision(model, budget, profile, ctx_size, batch_size, threads, io_th
         bar.total, bar.n = total, done
         bar.set_postfix_str(f"{row.group} {row.type}")
 
-    p, walk = mixed.plan(model, budget, profile, ctx_size, batch_size, max_kld, min_tok_s, threads, io_threads,
+    p, walk = precision.plan(model, budget, profile, ctx_size, batch_size, max_kld, min_tok_s, threads, io_threads,
                          original=Path(original) if original else None, on_row=on_row)
     bar.close()
     plans.write(p, out_dir)
@@ -176,10 +176,10 @@ def plan(model_spec, mem, policy, rpc, placement, ctx_size, batch_size, threads,
          min_tok_s, original, as_json):
     """Choose which tensors stay resident under a budget; write tensors.ot and plan.json."""
     from flexoffload.gguf.model import load
-    from flexoffload.measure import footprint
-    from flexoffload.measure import profile as profiler
+    from flexoffload.measure import probe
+    from flexoffload.measure import profiler
     from flexoffload.plan import mixed
-    from flexoffload.plan import plan as plans
+    from flexoffload.plan import plans
     from flexoffload.plan.planners import check_budget, plan_budget
 
     model = load(catalog.resolve(model_spec))
@@ -194,13 +194,13 @@ def plan(model_spec, mem, policy, rpc, placement, ctx_size, batch_size, threads,
         raise FlexoffloadError("--precision auto plans with the balanced policy: not with --rpc, --tune, "
                                "--policy or --window, for now")
     if precision and original:
-        from flexoffload.plan import precision as precisions
+        from flexoffload.plan import qtypes as precisions
 
         precisions.check_original(model, Path(original))
     if tune_best is not None and (tune_best < 1 or tune_rounds < 1 or policy != "balanced" or window is not None):
         raise FlexoffloadError("--tune takes N >= 1 and --tune-rounds >= 1; it chooses the policy and window")
     budget = None if rpc else budgets.parse_size(mem, model.file_size)
-    run = None if rpc else footprint.measure(model, ctx_size, batch_size)
+    run = None if rpc else probe.measure(model, ctx_size, batch_size)
     if budget is not None and not precision:
         check_budget(model, budget, run, window)
     profile = profiler.measure(model, threads)
@@ -242,6 +242,6 @@ def plan(model_spec, mem, policy, rpc, placement, ctx_size, batch_size, threads,
                    f"batch's), predicted hit rate {x['hit_rate']:.0%}, {x['bytes_per_token'] / MiB:.1f} MiB read a token")
     click.echo(f"  predicted {p.predicted_tok_s:.2f} tok/s; roofline {p.roofline_tok_s:.2f} tok/s")
     if p.tuning:
-        from flexoffload.measure import tune
+        from flexoffload.measure import tuning
 
-        click.echo("  tuned: the candidates, measured under the budget\n" + tune.describe(p))
+        click.echo("  tuned: the candidates, measured under the budget\n" + tuning.describe(p))

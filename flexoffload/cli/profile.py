@@ -13,8 +13,8 @@ import click
 
 from flexoffload import FlexoffloadError
 from flexoffload.cli.common import _errors_as_one_line
-from flexoffload.gguf import models as catalog
-from flexoffload.plan.precision import LADDER
+from flexoffload.gguf import catalog
+from flexoffload.plan.qtypes import LADDER
 
 
 def _profile_ops(model, threads: int, n_batch: int, remeasure: bool, as_json: bool, rpc: str | None) -> None:
@@ -57,11 +57,11 @@ def _profile_precision(model, threads, n_groups, ladder, remeasure, as_json) -> 
     from tqdm import tqdm
 
     from flexoffload.measure import sensitivity
-    from flexoffload.plan import precision
+    from flexoffload.plan import qtypes
 
-    types = tuple(precision.qtype(x.strip()).name for x in ladder.split(",") if x.strip())
+    types = tuple(qtypes.qtype(x.strip()).name for x in ladder.split(",") if x.strip())
     for name in types:
-        if not precision.cpu_can_run(name):
+        if not qtypes.cpu_can_run(name):
             raise FlexoffloadError(f"{name} has no dot product in the CPU backend: --types takes types it runs "
                                    f"({', '.join(LADDER)}, IQ types)")
     if n_groups < 1 or n_groups > model.n_layer:
@@ -192,7 +192,7 @@ def profile(model_spec, threads, remeasure, ops, batch_size, rpc, precision, n_g
             text_file, neurons, neuron_groups, levels, as_json):
     """Measure disk bandwidth and compute speed for the cost model (cached per model file)."""
     from flexoffload.gguf.model import load
-    from flexoffload.measure import profile as profiler
+    from flexoffload.measure import profiler
     from flexoffload.plan.costmodel import compute_seconds
 
     model = load(catalog.resolve(model_spec))

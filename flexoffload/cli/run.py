@@ -9,7 +9,7 @@ from dataclasses import replace
 import click
 
 from flexoffload.cli.common import PLACEMENTS, _errors_as_one_line, _precision_options, _read_prompt, _report
-from flexoffload.gguf import models as catalog
+from flexoffload.gguf import catalog
 from flexoffload.plan.expertcache import READS as EXPERT_READS
 from flexoffload.runtime.chat import HELP as chat_help
 from flexoffload.runtime.engine import KV_TYPES

@@ -7,7 +7,7 @@ import os
 import click
 
 from flexoffload.cli.common import PLACEMENTS, _errors_as_one_line
-from flexoffload.gguf import models as catalog
+from flexoffload.gguf import catalog
 
 
 @click.command(context_settings={"show_default": True})
@@ -46,7 +46,7 @@ def serve(model_spec, mem, enforce, n_parallel, ctx_size, batch_size, threads, h
     request. Runs until Ctrl-C or SIGTERM. Flags after `--` go to llama-server as they are (--jinja,
     --chat-template NAME, --alias, ...)."""
     from flexoffload import FlexoffloadError, api
-    from flexoffload.memory.budget import format_size
+    from flexoffload.memory.budgets import format_size
     from flexoffload.runtime import server
 
     if n_parallel < 1 or queue < 0:

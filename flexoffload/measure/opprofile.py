@@ -6,7 +6,7 @@ the scheduler compute the graph one node at a time and synchronize the backend a
 observations is one node's compute (plus, for the first node of a split, the copy of its inputs from the other
 backend: a transfer). Each node then also pays a graph launch; the median time of the nodes that compute nothing
 (views, reshapes) is that launch, and is taken off. Weights are resident for the profile (mmap, warmed by a first
-pass): the profile is of compute, the disk has its own (profile.py).
+pass): the profile is of compute, the disk has its own (profiler.py).
 """
 
 from __future__ import annotations
@@ -175,7 +175,7 @@ def device_configs(model, budget: int | None) -> list[tuple[str, object]]:
     """The placements a device is timed with, those its budget holds (as the placers count a device's memory, at
     the profile's context): -ngl runs visit it once a token; every block's ffn_down there (-ot; attention on the
     host) visits it once a block (as many blocks' as fit)."""
-    from flexoffload.measure.footprint import measure
+    from flexoffload.measure.probe import measure
     from flexoffload.memory.footprint import costs as run_costs
     from flexoffload.plan.placement import Placement, device_bytes
 
@@ -205,7 +205,7 @@ def measure_device(model_path: str, endpoint: str, n_threads: int, budget: int |
     is its link's (devices.measure_link). Per-operator timing through the eval callback would pay a round trip per
     node on RPC, larger than most nodes' compute, so whole tokens are timed instead."""
     from flexoffload.gguf.model import load
-    from flexoffload.measure import profile
+    from flexoffload.measure import profiler
     from flexoffload.native import devices
     from flexoffload.plan.placement import DeviceProfile, Placement, Walk
 
@@ -213,7 +213,7 @@ def measure_device(model_path: str, endpoint: str, n_threads: int, budget: int |
     configs = device_configs(model, budget)
     link = devices.measure_link(endpoint)
     bandwidth = min(link.send_bw, link.recv_bw)
-    host_profile = profile.measure(model, n_threads)
+    host_profile = profiler.measure(model, n_threads)
     unit = [DeviceProfile("RPC0", 1.0, 0.0, bandwidth)]
     s_a = _decode_seconds(model_path, n_threads)
     scale = s_a / Walk(model, Placement("profile", ("RPC0",)), unit, host_profile).host  # measured over modelled

@@ -33,8 +33,8 @@ from flexoffload import FlexoffloadError
 from flexoffload.defaults import cache_dir, content_key, file_key, write_atomic
 from flexoffload.gguf.model import Model
 from flexoffload.measure import about
-from flexoffload.plan import precision
-from flexoffload.plan.precision import Row, Sensitivity
+from flexoffload.plan import qtypes
+from flexoffload.plan.qtypes import Row, Sensitivity
 from flexoffload.prompts import humaneval
 
 N_GROUPS = 4  # layer groups per kind: 7 layers each on the 1.5B's 28
@@ -69,10 +69,10 @@ def groups(model: Model, n_groups: int = N_GROUPS) -> list[Group]:
     bounds = [round(i * model.n_layer / n_groups) for i in range(n_groups + 1)]
     kinds = []
     for t in model.tensors:
-        if precision.quantizable(t) and t.kind not in kinds:
+        if qtypes.quantizable(t) and t.kind not in kinds:
             kinds.append(t.kind)
     for kind in kinds:
-        ts = [t for t in model.tensors if t.kind == kind and precision.quantizable(t)]
+        ts = [t for t in model.tensors if t.kind == kind and qtypes.quantizable(t)]
         outside = [t for t in ts if t.layer is None]
         for t in outside:
             out.append(Group(kind, None, None, t.type, (t.name,)))
@@ -84,21 +84,21 @@ def groups(model: Model, n_groups: int = N_GROUPS) -> list[Group]:
     return out
 
 
-def group_candidates(model: Model, group: Group, ladder: tuple[str, ...] = precision.LADDER) -> list[str]:
+def group_candidates(model: Model, group: Group, ladder: tuple[str, ...] = qtypes.LADDER) -> list[str]:
     """The lower types every tensor of the group can take; of types with the same bits per weight, the ladder's
     first (a K-quant over the legacy type of its size)."""
     by_name = {t.name: t for t in model.tensors}
     common = None
     for name in group.tensors:
-        c = precision.candidates(by_name[name], ladder)
+        c = qtypes.candidates(by_name[name], ladder)
         common = c if common is None else [x for x in common if x in c]
     out, sizes = [], set()
     for name in sorted(common or [], key=lambda n: ladder.index(n) if n in ladder else len(ladder)):
-        bpw = precision.qtype(name).bits_per_weight
+        bpw = qtypes.qtype(name).bits_per_weight
         if bpw not in sizes:
             sizes.add(bpw)
             out.append(name)
-    return sorted(out, key=lambda n: -precision.qtype(n).bits_per_weight)
+    return sorted(out, key=lambda n: -qtypes.qtype(n).bits_per_weight)
 
 
 def calibration_text() -> str:
@@ -160,7 +160,7 @@ def _perplexity(path: Path, text: str, n_ctx: int, n_chunks: int, n_threads: int
         f.flush()
         args = ["-m", str(path), "-f", f.name, "-c", str(n_ctx), "-b", str(n_ctx), "--chunks", str(n_chunks),
                 "-t", str(n_threads or os.cpu_count() or 1)] + extra
-        r = precision.run_tool("llama-perplexity", args, TIMEOUT_S)
+        r = qtypes.run_tool("llama-perplexity", args, TIMEOUT_S)
     return r.stdout + r.stderr
 
 
@@ -207,12 +207,12 @@ def uqest(path: Path, prompts: list[str], n_predict: int = UQ_TOKENS, n_threads:
 
 def cache_path(model: Model, n_groups: int, ladder: tuple[str, ...]) -> Path:
     key = content_key(str(n_groups), ",".join(ladder), str(KLD_CTX), str(KLD_CHUNKS), str(UQ_PROMPTS),
-                         str(UQ_TOKENS), precision.native_key())
+                         str(UQ_TOKENS), qtypes.native_key())
     return cache_dir() / "precision" / f"{file_key(model.path)}-sensitivity-{key}.json"
 
 
 def load_cached(model: Model, n_groups: int = N_GROUPS,
-                ladder: tuple[str, ...] = precision.LADDER) -> Sensitivity | None:
+                ladder: tuple[str, ...] = qtypes.LADDER) -> Sensitivity | None:
     p = cache_path(model, n_groups, ladder)
     if not p.is_file():
         return None
@@ -242,14 +242,14 @@ SECONDS_PER_GB = 33.0
 SECONDS_FIXED = 0.15  # and a small model's: the tools' start (measured: 32 in 5 s for a 1 MB model)
 
 
-def measure(model: Model, n_groups: int = N_GROUPS, ladder: tuple[str, ...] = precision.LADDER,
+def measure(model: Model, n_groups: int = N_GROUPS, ladder: tuple[str, ...] = qtypes.LADDER,
             n_threads: int | None = None, remeasure: bool = False, on_row=None) -> Sensitivity:
     """Each group at each of its lower types, alone: its KL divergence and UQEst. Cached; resumes a partial run."""
     path = cache_path(model, n_groups, ladder)
     cached = None if remeasure else load_cached(model, n_groups, ladder)
     text = calibration_text()
     prompts = calibration_prompts()
-    matrix = precision.imatrix(model, text, n_threads=n_threads)
+    matrix = qtypes.imatrix(model, text, n_threads=n_threads)
     base = kld_base(model, text, n_threads=n_threads)
     if cached is None:
         own = uqest(model.path, prompts, n_threads=n_threads)
@@ -275,13 +275,13 @@ def measure(model: Model, n_groups: int = N_GROUPS, ladder: tuple[str, ...] = pr
         if cached_tokens is None:
             cached_tokens = uqest(model.path, prompts, n_threads=n_threads)["tokens"]
         types = {name: ty for name in g.tensors}
-        mixed = precision.requantize(model, types, matrix, n_threads=n_threads)
+        mixed = qtypes.requantize(model, types, matrix, n_threads=n_threads)
         try:
             q = kld(mixed, base, text, n_threads=n_threads)
             u = uqest(mixed, prompts, n_threads=n_threads)
         finally:
             mixed.unlink(missing_ok=True)  # one group's file is not kept: a plan writes its own
-        saved = sum(by_name[n].n_bytes - precision.tensor_bytes(by_name[n], ty) for n in g.tensors)
+        saved = sum(by_name[n].n_bytes - qtypes.tensor_bytes(by_name[n], ty) for n in g.tensors)
         row = Row(g.name, g.kind, g.first, g.last, g.type, ty, list(g.tensors), saved, q["kld"], q["kld_err"],
                   q["ppl"], q["same_top"], u["uqest"], u["uqest"] - cached.base_uqest,
                   _same_share(cached_tokens, u["tokens"]))
@@ -300,7 +300,7 @@ def quality(model: Model, path: Path, n_threads: int | None = None) -> dict:
     """A re-typed file of the model against the model itself: KL divergence on the calibration text (what the plan's
     bound is in) and on the held-out text (HumanEval 40-163, never used to choose), the held-out perplexity of both,
     and UQEst on the calibration prompts against the model's own. Cached per file (two plans may pick one)."""
-    cached = cache_dir() / "precision" / f"{file_key(path)}-quality-{precision.native_key()}.json"
+    cached = cache_dir() / "precision" / f"{file_key(path)}-quality-{qtypes.native_key()}.json"
     if cached.is_file():
         return json.loads(cached.read_text())
     calibration, held_out = calibration_text(), held_out_text()

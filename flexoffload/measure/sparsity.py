@@ -28,7 +28,7 @@ from flexoffload.defaults import cache_dir, content_key, file_key, write_atomic
 from flexoffload.gguf import moefy
 from flexoffload.gguf.model import Model, load
 from flexoffload.measure import sensitivity
-from flexoffload.plan.sparsity import Level, Sparsity
+from flexoffload.plan.levels import Level, Sparsity
 
 N_CTX = 512  # the capture's context (chunks of the calibration text)
 CAPTURE_VERSION = "1"  # bump when the capture changes

@@ -1,5 +1,5 @@
 """What a run takes beside its weights: the sizes llama.cpp reports for a context and the process's own counters
-(measured by measure/footprint.py's probe), and the slack a budget keeps beside them.
+(measured by measure/probe.py's probe), and the slack a budget keeps beside them.
 
 A run's memory beside the weights depends on the architecture in ways no formula over a few header fields gets
 right (sliding-window layers, K and V for only some layers, per-architecture graphs, the vocabulary's heap), so it is
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from flexoffload.memory.budget import MiB
+from flexoffload.memory.budgets import MiB
 
 # Beside what the probe measures, a budget keeps the kernel memory a run is charged for (page tables, thread
 # stacks, slab: a page-table page per 2 MiB mapped, 512 entries of 8 bytes, and a fixed part for threads and files,

@@ -13,7 +13,7 @@ holds is allocated when it is made, for the worst step:
   matrix multiplication converts its input to the weight's dot type (Q8_K for the K-quants: 292 bytes a 256 values),
   and without flash attention the scores are converted to f16 for the product with V.
 
-measure/stepmem.py's `buffers` asks llama.cpp for the first three without allocating anything: a child loads the
+measure/dryrun.py's `buffers` asks llama.cpp for the first three without allocating anything: a child loads the
 model with no_alloc (metadata only, nothing read) and makes one context per setting, reading the sizes it logs
 (footprint.py's parsing); one child answers many settings, and the answers are cached. `work_bytes` adds the fourth
 from the graph's shapes. `steps` breaks a ubatch down HyperGen's way, for the report: what each step adds and what

@@ -135,7 +135,7 @@ class Profile:
     layer_overhead: float = 50e-6  # seconds per layer per token
     token_overhead: float = 2e-3  # seconds per token
     peak_disk_bw: float = 0.0  # the best bandwidth this device has shown, for the roofline (0: unknown)
-    # a mixture of experts' reads once a router has chosen (measure/profile.py, expert_reads): a burst of expert
+    # a mixture of experts' reads once a router has chosen (measure/profiler.py, expert_reads): a burst of expert
     # slices takes expert_read_latency plus its bytes at expert_read_bw (0: not measured)
     expert_read_bw: float = 0.0
     expert_read_latency: float = 0.0

@@ -8,7 +8,7 @@ hold all of one layer's experts at once (it uses the union of its tokens' expert
 
 Expert reads cannot hide behind compute the way window prefetches do: which experts a layer needs is known only
 when its router has run. So a miss costs its read time on top of the dense pipeline's time. What experts cost is
-experts.cost's (the one cost model of experts); this module sizes the cache and asks it.
+replay.cost's (the one cost model of experts); this module sizes the cache and asks it.
 """
 
 from __future__ import annotations
@@ -17,13 +17,13 @@ from dataclasses import replace
 from typing import Callable
 
 from flexoffload.gguf.model import Model
-from flexoffload.plan import experts
+from flexoffload.plan import replay
 from flexoffload.plan.costmodel import Profile
 
 # how expert tensors are read (run --expert-reads) -> make_plan's `whole`: the plan's choice, by expert, whole
 READS = {"auto": None, "routed": False, "whole": True}
 
-MissesBySlots = Callable[[int], experts.Misses]  # slots per layer -> what a cache of that many misses, by layer
+MissesBySlots = Callable[[int], replay.Misses]  # slots per layer -> what a cache of that many misses, by layer
 
 
 def dense(model: Model) -> Model:
@@ -41,20 +41,20 @@ def memory(model: Model, slots: int, ubatch: int | None = None) -> int:
     None: all), given back after the layer."""
     k, n = model.n_expert_used, model.n_expert
     used = n if ubatch is None else min(n, ubatch * k)
-    units = [experts.unit_bytes(model)[il] for il in expert_layers(model)]
+    units = [replay.unit_bytes(model)[il] for il in expert_layers(model)]
     return sum(slots * u for u in units) + max((max(used - slots, 0) * u for u in units), default=0)
 
 
 def uniform(model: Model) -> MissesBySlots:
-    """Routing spread evenly over the experts (experts.Misses.uniform), where no routing trace was measured. Not
+    """Routing spread evenly over the experts (replay.Misses.uniform), where no routing trace was measured. Not
     what random weights do: they send nearly every token to the same few experts (docs/experts.md), so a plan
     predicts fewer hits than such a model gets."""
-    return lambda slots: experts.Misses.uniform(model, slots)
+    return lambda slots: replay.Misses.uniform(model, slots)
 
 
-def cost(model: Model, slots: int, profile: Profile, misses: MissesBySlots, io_threads: int) -> experts.Cost:
-    """What experts add to a decoded token's time with `slots` a layer: experts.cost of the misses `misses` gives."""
-    return experts.cost(model, slots, misses(slots), profile, io_threads)
+def cost(model: Model, slots: int, profile: Profile, misses: MissesBySlots, io_threads: int) -> replay.Cost:
+    """What experts add to a decoded token's time with `slots` a layer: replay.cost of the misses `misses` gives."""
+    return replay.cost(model, slots, misses(slots), profile, io_threads)
 
 
 def candidates(model: Model) -> list[int]:

@@ -20,8 +20,8 @@ from dataclasses import dataclass, field, replace
 
 from flexoffload import FlexoffloadError
 from flexoffload.gguf.model import Model
-from flexoffload.plan import precision
-from flexoffload.plan.precision import Row, Sensitivity
+from flexoffload.plan import qtypes
+from flexoffload.plan.qtypes import Row, Sensitivity
 
 DEFAULT_MAX_KLD = 0.05  # nats: about half of what requantizing this Q4_K_M to Q3_K_M costs (0.089, measured)
 
@@ -61,7 +61,7 @@ class Walk:
 def retyped(model: Model, types: dict[str, str]) -> Model:
     """The model as it would be with the types: each re-typed tensor's type and size changed (offsets are the
     original file's; for planning only, the written file has its own)."""
-    tensors = [replace(t, type=types[t.name], n_bytes=precision.tensor_bytes(t, types[t.name])) if t.name in types
+    tensors = [replace(t, type=types[t.name], n_bytes=qtypes.tensor_bytes(t, types[t.name])) if t.name in types
                else t for t in model.tensors]
     size = model.file_size - model.weight_bytes + sum(t.n_bytes for t in tensors)
     return replace(model, tensors=tensors, file_size=size)
@@ -73,7 +73,7 @@ def _chains(model: Model, sens: Sensitivity) -> dict[str, list[Row]]:
     for r in sens.rows:
         chains.setdefault(r.group, []).append(r)
     for rows in chains.values():
-        rows.sort(key=lambda r: -precision.qtype(r.type).bits_per_weight)
+        rows.sort(key=lambda r: -qtypes.qtype(r.type).bits_per_weight)
     return chains
 
 
@@ -91,7 +91,7 @@ def walk(model: Model, sens: Sensitivity, predict, max_steps: int | None = None)
         for g, rows in chains.items():
             now = current[g]
             for r in rows:
-                if now is not None and precision.qtype(r.type).bits_per_weight >= precision.qtype(now.type).bits_per_weight:
+                if now is not None and qtypes.qtype(r.type).bits_per_weight >= qtypes.qtype(now.type).bits_per_weight:
                     continue
                 saved = r.bytes_saved - (now.bytes_saved if now else 0)
                 harm = max(r.kld, 0.0) - (max(now.kld, 0.0) if now else 0.0)

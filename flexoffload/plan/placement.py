@@ -29,7 +29,7 @@ from flexoffload import FlexoffloadError
 from flexoffload.defaults import LOAD_PIECE_BYTES
 from flexoffload.gguf.model import Model, Tensor
 from flexoffload.plan.costmodel import Pipeline, Profile, simulate
-from flexoffload.plan.plan import CPU_BUFT, Memory, Plan
+from flexoffload.plan.plans import CPU_BUFT, Memory, Plan
 
 HOST = -1  # the device index of this machine's CPU
 

@@ -8,10 +8,10 @@ the tokens to generate at the plan's decode speed.
 
 When decode starts, the context's ubatch becomes DECODE_UBATCH (patch 0015 sizes the compute buffers again, and
 their memory comes back) and the streamed tensors that memory holds become resident, each read once (0013, 0014):
-`after_prefill` chooses them (measure/prefill.py's `choose` picks the ubatch), so decode runs at a plan for its own
+`after_prefill` chooses them (measure/ubatches.py's `choose` picks the ubatch), so decode runs at a plan for its own
 buffers, not the prefill's.
 
-The time to first token is predicted per pass as its compute (measured: measure/prefill.py's `rates`, a ubatch's
+The time to first token is predicted per pass as its compute (measured: measure/ubatches.py's `rates`, a ubatch's
 pass with every weight in memory, by u) plus its reads of the streamed tensors (`pass_seconds`: measured, the two
 do not overlap in a prefill). Attention's growth with the cells already filled, and its cost per KV type, are not
 modelled: the prediction is close at 2048 tokens, 2.3x short at 8192 and 12x at 16384 with a q8_0 cache
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from flexoffload.gguf.model import Model
 from flexoffload.plan.costmodel import Profile
-from flexoffload.plan.plan import Plan, streamed_bytes
+from flexoffload.plan.plans import Plan, streamed_bytes
 
 DECODE_UBATCH = 1  # tokens a decode pass computes: one (this engine decodes a token at a time after the prompt)
 

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from flexoffload import FlexoffloadError
-from flexoffload.memory.budget import MemoryCgroup
+from flexoffload.memory.budgets import MemoryCgroup
 from flexoffload.runtime.engine import Settings, drop_file_cache, raise_memlock_limit
 
 # Requests that take a slot while they run (POST): the ones the queue bounds.

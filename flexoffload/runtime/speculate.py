@@ -36,7 +36,7 @@ import numpy as np
 from flexoffload import FlexoffloadError, native
 from flexoffload.gguf.model import Model, load
 from flexoffload.plan.costmodel import looked_up_only
-from flexoffload.plan.plan import override_patterns
+from flexoffload.plan.plans import override_patterns
 from flexoffload.plan.planners import is_small
 from flexoffload.runtime import drafters as free
 from flexoffload.runtime.engine import Engine, Result, TextOut, stream_timings

@@ -24,13 +24,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))
 
 from flexoffload.prompts import humaneval  # noqa: E402
-from flexoffload.gguf import models  # noqa: E402
+from flexoffload.gguf import catalog  # noqa: E402
 from flexoffload import native  # noqa: E402
 from flexoffload.bench.sweep import write_csv  # noqa: E402
 
 RUNS = {"mmap": ["--strategy", "mmap"], "stream 0.6x": ["--mem", "0.6x", "--enforce"],
         "stream 0.4x": ["--mem", "0.4x", "--enforce"],  # --spec-type auto: free drafters where they pay
-        "-md 0.8x": ["--mem", "0.8x", "--enforce", "-md", models.DRAFT_MODEL]}
+        "-md 0.8x": ["--mem", "0.8x", "--enforce", "-md", catalog.DRAFT_MODEL]}
 
 
 def llama_completion(model: str, prompt: str, n: int, ctx: int, split: str) -> str:
@@ -46,14 +46,14 @@ def llama_completion(model: str, prompt: str, n: int, ctx: int, split: str) -> s
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("-m", "--model", default=models.DEFAULT_MODEL)
+    ap.add_argument("-m", "--model", default=catalog.DEFAULT_MODEL)
     ap.add_argument("-n", "--n-predict", type=int, default=64)
     ap.add_argument("-c", "--ctx-size", type=int, default=2048)
     ap.add_argument("--problems", type=int, default=6, help="HumanEval problems of 40-163, evenly spaced")
     ap.add_argument("--sparsity", type=int, default=None, help="every run with --sparsity K, against that level's file")
     ap.add_argument("-o", "--output", required=True)
     a = ap.parse_args()
-    model = str(models.resolve(a.model))
+    model = str(catalog.resolve(a.model))
     reference, runs = model, RUNS
     if a.sparsity:  # the file run --sparsity K runs (a copy of the grouped file at K) is what llama.cpp must match
         from flexoffload.gguf import moefy

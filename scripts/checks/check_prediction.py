@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """The cost model's predicted tok/s against measured runs, with the disk as the profile measured it once and as
-the recent runs have met it (profile.typical_disk_bw), and which way `run -md` decides under each.
+the recent runs have met it (profiler.typical_disk_bw), and which way `run -md` decides under each.
 
 This disk drifts between about 0.8 and 2.2 GB/s over minutes, so a profile's passes are one sample. Each round
 runs every budget in turn, each run an enforced cgroup with the page cache dropped; before each run one pass of
@@ -23,9 +23,9 @@ from unittest import mock
 
 from flexoffload import FlexoffloadError
 from flexoffload import api
-from flexoffload.gguf import models
-from flexoffload.measure import profile
-from flexoffload.memory import budget as budgets
+from flexoffload.gguf import catalog
+from flexoffload.measure import profiler
+from flexoffload.memory import budgets
 from flexoffload.bench.sweep import write_csv
 from flexoffload.gguf.model import load
 
@@ -40,10 +40,10 @@ def request(model: str, mem: int, n_predict: int, n_ctx: int, draft: str | None 
 def predicted(model: str, mem: int, n_ctx: int, raw: bool) -> tuple[float, bool | None]:
     """The plan's predicted tok/s, and whether `run -md` would speculate (None: the draft does not fit); raw: with
     the profile's own disk measure, as before the runs' history counted."""
-    measure = profile.measure
+    measure = profiler.measure
     if raw:
-        measure = profile.as_measured
-    with mock.patch.object(profile, "measure", measure):
+        measure = profiler.as_measured
+    with mock.patch.object(profiler, "measure", measure):
         alone = api.prepare(request(model, mem, 64, n_ctx)).plan.predicted_tok_s
         try:
             with_draft = api.prepare(request(model, mem, 64, n_ctx, DRAFT)).request.draft is not None
@@ -65,7 +65,7 @@ def decide(a, path: str, model) -> None:
                 alone = alone or out["tokens"]
                 rows.append({"round": round_, "budget": text, "config": config, "speculated": "draft" in out,
                              "same_as_alone": out["tokens"] == alone,
-                             "typical_gb_s": profile.measure(model, 2).disk_bw / 1e9, "tok_s": out["decode_tok_s"],
+                             "typical_gb_s": profiler.measure(model, 2).disk_bw / 1e9, "tok_s": out["decode_tok_s"],
                              "tokens_per_pass": out["timings"].get("tokens_per_pass", 1.0),
                              "text": out.get("text", "")[:60]})
                 write_csv(rows, a.output)
@@ -74,7 +74,7 @@ def decide(a, path: str, model) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("-m", "--model", default=models.DEFAULT_MODEL)
+    ap.add_argument("-m", "--model", default=catalog.DEFAULT_MODEL)
     ap.add_argument("--mem", default="0.4x,0.6x,0.8x")
     ap.add_argument("-r", "--rounds", type=int, default=3)
     ap.add_argument("-n", "--n-predict", type=int, default=32)
@@ -82,7 +82,7 @@ def main() -> None:
     ap.add_argument("-o", "--output", required=True)
     ap.add_argument("--decide", action="store_true", help="run -md as decided, against the target alone")
     a = ap.parse_args()
-    path = str(models.resolve(a.model))
+    path = str(catalog.resolve(a.model))
     model = load(path)
     if a.decide:
         decide(a, path, model)
@@ -94,11 +94,11 @@ def main() -> None:
             raw_tok_s, raw_draft = predicted(path, mem, a.ctx_size, raw=True)
             typical_tok_s, typical_draft = predicted(path, mem, a.ctx_size, raw=False)
             budgets.drop_page_cache()
-            disk_now = profile.disk_speed(model, passes=1).bandwidth
+            disk_now = profiler.disk_speed(model, passes=1).bandwidth
             row = {"round": round_, "budget": text, "budget_mb": mem / 2**20,
-                   "profile_gb_s": profile.as_measured(model, 2).disk_bw / 1e9,
-                   "typical_gb_s": profile.measure(model, 2).disk_bw / 1e9,
-                   "runs_seen": len(profile.seen_disk_bw(path)), "disk_now_gb_s": disk_now / 1e9,
+                   "profile_gb_s": profiler.as_measured(model, 2).disk_bw / 1e9,
+                   "typical_gb_s": profiler.measure(model, 2).disk_bw / 1e9,
+                   "runs_seen": len(profiler.seen_disk_bw(path)), "disk_now_gb_s": disk_now / 1e9,
                    "predicted_profile": raw_tok_s, "predicted_typical": typical_tok_s,
                    "md_speculates_profile": raw_draft, "md_speculates_typical": typical_draft}
             budgets.drop_page_cache()

@@ -21,11 +21,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # scripts/, for matrix.py
 
 from flexoffload import api  # noqa: E402
-from flexoffload.gguf import models  # noqa: E402
-from flexoffload.measure.stepmem import run_costs  # noqa: E402
+from flexoffload.gguf import catalog  # noqa: E402
+from flexoffload.measure.dryrun import run_costs  # noqa: E402
 from flexoffload.memory import stepmem  # noqa: E402
-from flexoffload.memory import budget as budgets  # noqa: E402
-from flexoffload.memory.budget import MiB  # noqa: E402
+from flexoffload.memory import budgets  # noqa: E402
+from flexoffload.memory.budgets import MiB  # noqa: E402
 from flexoffload.gguf.model import load  # noqa: E402
 from matrix import long_prompt, run  # noqa: E402
 
@@ -40,7 +40,7 @@ def main() -> None:
     ap.add_argument("--resident", action="store_true", help="every weight resident, no budget (see above)")
     ap.add_argument("--from-ttft", metavar="CSV", help="predict repro_hypergen's compute-bound rows (see above)")
     ap.add_argument("--chosen", action="store_true",
-                    help="instead: the ubatch run chooses for the prompt (measure/prefill.py), its predicted and "
+                    help="instead: the ubatch run chooses for the prompt (measure/ubatches.py), its predicted and "
                          "measured time to first token (-o results/prefill_chosen_qwen1.5b.csv)")
     opts = ap.parse_args()
     if opts.chosen:
@@ -49,7 +49,7 @@ def main() -> None:
     if opts.resident or opts.from_ttft:
         resident(opts)
         return
-    path = models.resolve(opts.model)
+    path = catalog.resolve(opts.model)
     model = load(path)
     limit = budgets.parse_size(opts.mem, model.file_size)
     prompt = long_prompt(path, opts.prompt_tokens)
@@ -102,7 +102,7 @@ def predicted_resident(model, setting) -> dict:
 
 def resident(opts) -> None:
     """--resident and --from-ttft: the estimate against runs with every weight in memory."""
-    path = models.resolve(opts.model)
+    path = catalog.resolve(opts.model)
     model = load(path)
     fields = ["n_prompt", "n_ubatch", "flash_attn", "cache_type", "n_ctx", "kv_mb", "compute_mb", "predicted_mb",
               "measured_mb", "predicted_over_measured", "ttft_s", "source", "error"]
@@ -148,10 +148,10 @@ def measured(row: dict, request, limit: int, writer, f) -> None:
 
 def chosen(opts) -> None:
     """The run's own choice of ubatch for a long prompt, at each budget of --mem (comma-separated), in turn."""
-    from flexoffload.measure import prefill
-    from flexoffload.measure import profile as profiler
+    from flexoffload.measure import ubatches
+    from flexoffload.measure import profiler
 
-    path = models.resolve("qwen2.5-coder-1.5b-instruct")
+    path = catalog.resolve("qwen2.5-coder-1.5b-instruct")
     model = load(path)
     prompt = long_prompt(path, opts.prompt_tokens)
     fields = ["mem", "config", "n_ctx", "n_prompt", "n_ubatch", "predicted_ttft_s", "ttft_s", "decode_tok_s",
@@ -168,7 +168,7 @@ def chosen(opts) -> None:
             try:
                 prepared = api.prepare(request)
                 u = prepared.request.n_ubatch
-                _, _, first = prefill.choose(model, limit, api._check_prompt_length(model, request), 16, n_ctx,
+                _, _, first = ubatches.choose(model, limit, api._check_prompt_length(model, request), 16, n_ctx,
                                              "balanced", profiler.measure(model, 2), 2, 4)
                 row.update(n_ubatch=u, predicted_ttft_s=round(first, 2),
                            predicted_tok_s=round(prepared.plan.predicted_tok_s, 2))

@@ -27,16 +27,16 @@ REPO = Path(__file__).resolve().parent.parent.parent
 sys.path.insert(0, str(REPO))
 
 from flexoffload import api  # noqa: E402
-from flexoffload.gguf import models  # noqa: E402
+from flexoffload.gguf import catalog  # noqa: E402
 from flexoffload import native  # noqa: E402
 from flexoffload.measure import opprofile  # noqa: E402
-from flexoffload.memory import budget as budgets  # noqa: E402
-from flexoffload.plan import plan as plans  # noqa: E402
-from flexoffload.measure import profile as profiler  # noqa: E402
+from flexoffload.memory import budgets  # noqa: E402
+from flexoffload.plan import plans  # noqa: E402
+from flexoffload.measure import profiler  # noqa: E402
 from flexoffload.gguf.model import load  # noqa: E402
 
 RESULTS = REPO / "results"
-MODEL = models.resolve("qwen2.5-coder-1.5b-instruct")
+MODEL = catalog.resolve("qwen2.5-coder-1.5b-instruct")
 
 
 def write(name: str, rows: list[dict]) -> None:

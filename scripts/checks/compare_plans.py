@@ -21,15 +21,15 @@ import argparse
 import sys
 from unittest import mock
 
-from flexoffload.memory import budget as budgets
+from flexoffload.memory import budgets
 from flexoffload.runtime import engine
-from flexoffload.gguf import models
+from flexoffload.gguf import catalog
 from flexoffload.plan import planners
-from flexoffload.plan import plan as plans
-from flexoffload.measure import profile
+from flexoffload.plan import plans
+from flexoffload.measure import profiler
 from flexoffload.native import stream
 from flexoffload.gguf.model import load
-from flexoffload.measure import footprint
+from flexoffload.measure import probe
 from flexoffload.plan.planners import balanced
 from flexoffload.bench.sweep import write_csv
 
@@ -38,7 +38,7 @@ def make(model, prof, mem: int, name: str, n_ctx: int):
     """The plan called name at budget mem."""
     name, _, window = name.partition(":w")
     window = int(window) if window else None
-    run = footprint.measure(model, n_ctx, 512)
+    run = probe.measure(model, n_ctx, 512)
     if name in ("balanced-kept", "balanced-streamed"):
         margin = 1e9 if name.endswith("kept") else -0.99
         with mock.patch.object(balanced, "OUTPUT_MARGIN", margin):
@@ -48,7 +48,7 @@ def make(model, prof, mem: int, name: str, n_ctx: int):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("-m", "--model", default=models.DEFAULT_MODEL)
+    ap.add_argument("-m", "--model", default=catalog.DEFAULT_MODEL)
     ap.add_argument("--mem", default="0.5x")
     ap.add_argument("--plans", default="balanced-kept,balanced-streamed")
     ap.add_argument("-r", "--repetitions", type=int, default=4)
@@ -57,13 +57,13 @@ def main() -> None:
     ap.add_argument("--disk", action="store_true", help="measure the disk's read passes instead (page cache dropped)")
     ap.add_argument("-o", "--output", required=True)
     a = ap.parse_args()
-    model = load(models.resolve(a.model))
+    model = load(catalog.resolve(a.model))
     if a.disk:
         budgets.drop_page_cache()
-        disk = profile.disk_speed(model, passes=5)
+        disk = profiler.disk_speed(model, passes=5)
         rows = [{"model": model.path.name, "pass": i + 1, "gb_s": rate / 1e9} for i, rate in enumerate(disk.passes)]
     else:
-        prof = profile.measure(model, 2)
+        prof = profiler.measure(model, 2)
         mem = budgets.parse_size(a.mem, model.file_size)
         names = [t.name for t in model.tensors]
         made = {name: make(model, prof, mem, name, a.ctx_size) for name in a.plans.split(",")}

@@ -21,8 +21,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from flexoffload.memory import budget as budgets
-from flexoffload.gguf import models
+from flexoffload.memory import budgets
+from flexoffload.gguf import catalog
 from flexoffload.bench.sweep import write_csv
 
 
@@ -51,7 +51,7 @@ def device_reads(path: str) -> tuple[int, int]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--before", required=True, help="bin/ of a native build without patch 0011")
-    ap.add_argument("-m", "--model", default=models.DEFAULT_MODEL)
+    ap.add_argument("-m", "--model", default=catalog.DEFAULT_MODEL)
     ap.add_argument("--mem", default="0.4x")
     ap.add_argument("--policies", default="balanced,ffn-first")
     ap.add_argument("-r", "--repetitions", type=int, default=3)
@@ -59,7 +59,7 @@ def main() -> None:
     ap.add_argument("--fragment", type=int, default=0, metavar="GIB", help="scatter this much free memory first")
     ap.add_argument("-o", "--output", required=True)
     a = ap.parse_args()
-    path = str(models.resolve(a.model))
+    path = str(catalog.resolve(a.model))
     rows = []
     helper = None
     if a.fragment:

@@ -13,7 +13,7 @@ import statistics
 import time
 
 from flexoffload.runtime import engine
-from flexoffload.gguf import models
+from flexoffload.gguf import catalog
 from flexoffload.runtime import speculate
 from flexoffload.bench.sweep import write_csv
 
@@ -32,7 +32,7 @@ def main() -> None:
     ap.add_argument("-o", "--output", default="results/tree_mask_overhead.csv")
     ap.add_argument("--reps", type=int, default=5)
     args = ap.parse_args()
-    path = models.resolve(models.DEFAULT_MODEL)
+    path = catalog.resolve(catalog.DEFAULT_MODEL)
     settings = speculate.target_settings(engine.Settings(n_ctx=1024, n_batch=64, temp=0.0, strategy="mmap"))
     rows = []
     with engine.Engine(path, settings) as e:

@@ -16,11 +16,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))
 
 from flexoffload import api  # noqa: E402
-from flexoffload.gguf import models  # noqa: E402
+from flexoffload.gguf import catalog  # noqa: E402
 from flexoffload.plan import placement  # noqa: E402
 from flexoffload.bench import machines as rpc  # noqa: E402
-from flexoffload.memory import budget as budgets  # noqa: E402
-from flexoffload.plan import plan as plans  # noqa: E402
+from flexoffload.memory import budgets  # noqa: E402
+from flexoffload.plan import plans  # noqa: E402
 from flexoffload.gguf.model import load  # noqa: E402
 
 
@@ -30,7 +30,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("-o", "--output", default="results/rpc_first_qwen1.5b.csv")
     opts = ap.parse_args()
-    path = models.resolve("qwen2.5-coder-1.5b-instruct")
+    path = catalog.resolve("qwen2.5-coder-1.5b-instruct")
     m = load(path)
     rows, base = [], None
     with tempfile.TemporaryDirectory() as tmp, rpc.Machines(1, memory=1200 << 20, rate=opts.rate) as machines:

@@ -24,12 +24,12 @@ from dataclasses import dataclass, replace
 from flexoffload import FlexoffloadError
 from flexoffload.defaults import IO_THREADS
 from flexoffload.gguf.model import Model
-from flexoffload.memory.budget import format_size
+from flexoffload.memory.budgets import format_size
 from flexoffload.memory.footprint import Footprint, costs
 from flexoffload.plan.costmodel import Profile
 from flexoffload.plan.placement import (HOST, Cost, DeviceProfile, Placement, device_bytes, host_view, load_bytes,
                                         predict, tensor_devices, to_plan)
-from flexoffload.plan.plan import Plan
+from flexoffload.plan.plans import Plan
 
 
 @dataclass(frozen=True)
@@ -142,7 +142,7 @@ def parse_mem(spec: str, endpoints: list[str], model: Model) -> tuple[int | None
     """`--mem` with devices: `cpu=600M,rpc0=700M,10.0.0.2:50052=1G` (the host's budget; a device's by its order
     among the RPC devices or its server's address), or one size, the host's. Returns the host's budget (None if not
     given) and the budgets named, by rpc index ("0") or endpoint."""
-    from flexoffload.memory.budget import parse_size
+    from flexoffload.memory.budgets import parse_size
 
     if "=" not in spec:
         return parse_size(spec, model.file_size), {}

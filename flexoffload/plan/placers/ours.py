@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from flexoffload.plan.placement import Placement, device_bytes, head_home
 from flexoffload.plan.placers import Problem, evaluate, layer_counts, layers, oato, split
-from flexoffload.plan.plan import streamed_bytes
+from flexoffload.plan.plans import streamed_bytes
 
 FINALISTS = 4  # candidates whose host tier is planned in full
 # Predictions closer than this are a tie: the one streaming least from the host's disk wins (the cost model's reads

@@ -32,11 +32,11 @@ from dataclasses import replace
 from flexoffload import FlexoffloadError
 from flexoffload.defaults import IO_THREADS, SMALL_BYTES
 from flexoffload.gguf.model import Model, Tensor
-from flexoffload.memory.budget import format_size
+from flexoffload.memory.budgets import format_size
 from flexoffload.memory.footprint import Footprint, costs, smallest_budget
 from flexoffload.plan import expertcache
 from flexoffload.plan.costmodel import Pipeline, Profile, roofline, rows_memory, window_bytes_of
-from flexoffload.plan.plan import Memory, Plan
+from flexoffload.plan.plans import Memory, Plan
 
 AUTO_WINDOWS = (0, 1, 2, 3, 4)  # prefetch windows make_plan chooses among (FlexInfer's default is 3)
 

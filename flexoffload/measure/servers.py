@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from flexoffload.defaults import IO_THREADS
 from flexoffload.gguf.model import Model
-from flexoffload.measure import footprint, opprofile
+from flexoffload.measure import probe, opprofile
 from flexoffload.native import devices
 from flexoffload.plan.costmodel import Profile
 from flexoffload.plan.placement import DeviceProfile
 from flexoffload.plan.placers import parse_mem, problem_for, solve
-from flexoffload.plan.plan import Plan
+from flexoffload.plan.plans import Plan
 
 # What a server's buffers may take of the memory it reports free: the rest is for what it allocates beside them
 # (a tensor's upload in pieces, the graph it is sent, its allocator's slack), so a plan or a profile never takes a
@@ -31,6 +31,6 @@ def for_endpoints(model: Model, endpoints: list[str], mem: str | None, policy: s
         profiles.append(DeviceProfile.from_dict({**{k: v for k, v in measured.items() if k != "measured"},
                                                  "name": device.name}))
         budgets.append(budget)
-    run = footprint.measure(model, n_ctx, n_batch)
+    run = probe.measure(model, n_ctx, n_batch)
     problem = problem_for(model, profiles, budgets, host, profile, run, n_ctx, n_batch, io_threads)
     return solve(problem, policy)

@@ -25,7 +25,7 @@ import numpy as np
 from flexoffload import FlexoffloadError
 from flexoffload.defaults import cache_dir, content_key, file_key, write_atomic
 from flexoffload.gguf.model import Model
-from flexoffload.plan.experts import Trace
+from flexoffload.plan.replay import Trace
 from flexoffload.prompts import humaneval
 
 MAX_TOKENS = 4096  # of the calibration text: a few thousand tokens

@@ -18,8 +18,8 @@ from pathlib import Path
 from flexoffload import FlexoffloadError
 from flexoffload.defaults import cache_dir, file_key, write_atomic
 from flexoffload.gguf.model import Model
-from flexoffload.measure.footprint import child_json, measure
-from flexoffload.memory.budget import MiB, format_size
+from flexoffload.measure.probe import child_json, measure
+from flexoffload.memory.budgets import MiB, format_size
 from flexoffload.memory.footprint import slack, smallest_budget
 from flexoffload.memory.stepmem import CELLS, UBATCHES, Buffers, Setting, cells_for, work_bytes
 from flexoffload.plan.planners import minimum_budget
@@ -44,7 +44,7 @@ def buffers(model: Model, settings: list[Setting]) -> list[Buffers]:
         known = {}
     missing = [s for s in settings if s.key() not in known]
     if missing:
-        cmd = [sys.executable, "-m", "flexoffload.measure.stepmem", str(model.path),
+        cmd = [sys.executable, "-m", "flexoffload.measure.dryrun", str(model.path),
                json.dumps([asdict(s) for s in missing])]
         known.update(child_json(cmd, f"llama.cpp's dry run of {model.path.name}", 600))
         write_atomic(path, json.dumps(known))

@@ -12,10 +12,10 @@ import time
 from flexoffload import FlexoffloadError
 from flexoffload.defaults import cache_dir, file_key
 from flexoffload.gguf.model import Model
-from flexoffload.measure.stepmem import minimum, room, run_costs
+from flexoffload.measure.dryrun import minimum, room, run_costs
 from flexoffload.memory.stepmem import UBATCHES, Setting
 from flexoffload.plan.costmodel import Profile
-from flexoffload.plan.plan import Plan
+from flexoffload.plan.plans import Plan
 from flexoffload.plan.prefill import after_prefill, ttft
 
 log = logging.getLogger(__name__)
@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 def rates(model: Model, n_threads: int, remeasure: bool = False) -> dict[int, float]:
     """Seconds one prefill pass of u tokens takes with every weight in memory, by u (UBATCHES), cached: a context
     of the largest ubatch, warm, the best of two passes at each size."""
-    from flexoffload.measure.profile import warm_page_cache
+    from flexoffload.measure.profiler import warm_page_cache
     from flexoffload.runtime import engine
 
     path = cache_dir() / "profiles" / f"{file_key(model.path)}-t{n_threads}-prefill-v1.json"
@@ -79,7 +79,7 @@ def choose(model: Model, budget: int, n_prompt: int, n_predict: int, n_ctx: int,
         if best is None or total < best[0]:
             best = (total, u, plan, first)
     if best is None:
-        from flexoffload.memory.budget import format_size
+        from flexoffload.memory.budgets import format_size
 
         least = minimum(model, Setting(n_ctx, min(min(UBATCHES), n_ctx), "on", type_k, type_v, n_outputs=n_outputs))
         raise FlexoffloadError(f"a context of {n_ctx} cells does not fit {model.path.name} in {format_size(budget)} "

@@ -1,7 +1,7 @@
 """An expert cache, replayed: which experts a text routes to (a Trace), how many of them a cache of a given size and
 replacement policy would have to read (a Replay), and what that costs a decoded token (cost, predict): the one cost
 model of experts, which the planner's expert cache (expertcache.py) uses too. Issue 28, items 2-3; the trace itself
-is measured by measure/experts.py.
+is measured by measure/tracing.py.
 
 The cache being predicted is the runtime's (patch 0018): a unit is one expert of one layer, its slices of all that
 layer's *_exps tensors (nb[2] bytes of each). Each layer keeps `slots` units between steps (or, the pool variant, all

@@ -29,12 +29,12 @@ from pathlib import Path
 
 from flexoffload import FlexoffloadError
 from flexoffload.defaults import cache_dir, file_key, write_atomic
-from flexoffload.memory.budget import MiB
+from flexoffload.memory.budgets import MiB
 from flexoffload.memory.footprint import Footprint
 
 # The probe's process is a run's: it loads what an enforced run's child (`python -m flexoffload.api`) has loaded by
 # the time llama.cpp loads the model (by name, as `python -m` does), so the runtime it measures is a run's.
-RUN_MODULES = ("flexoffload.api", "flexoffload.plan.planners", "flexoffload.measure.profile", "flexoffload.plan.plan",
+RUN_MODULES = ("flexoffload.api", "flexoffload.plan.planners", "flexoffload.measure.profiler", "flexoffload.plan.plans",
                "flexoffload.runtime.drafters")  # (v4: the drafters, which a run's request check reads)
 PYTHON_ARENA = 1 << 20  # obmalloc's arena (Python 3.10 on)
 
@@ -63,7 +63,7 @@ def measure(model, n_ctx: int, n_batch: int, n_outputs: int = 1, n_seq_max: int 
         return Footprint(**json.loads(path.read_text()))
     except (OSError, ValueError, TypeError):
         pass
-    cmd = [sys.executable, "-m", "flexoffload.measure.footprint", str(model.path), str(n_ctx), str(n_batch),
+    cmd = [sys.executable, "-m", "flexoffload.measure.probe", str(model.path), str(n_ctx), str(n_batch),
            str(n_outputs),
            str(n_seq_max)]
     footprint = Footprint(**child_json(cmd, f"llama.cpp's memory probe of {model.path.name}", 300))
@@ -103,7 +103,7 @@ def probe(model_path: str, n_ctx: int, n_batch: int, n_outputs: int, n_seq_max: 
     """In this process: the model with every weight streamed and a context; the sizes llama.cpp logs, and what the
     process's memory grew by."""
     from flexoffload.gguf.model import load
-    from flexoffload.memory.budget import status_bytes
+    from flexoffload.memory.budgets import status_bytes
     from flexoffload.runtime import engine
 
     for name in RUN_MODULES:

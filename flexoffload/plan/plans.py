@@ -218,7 +218,7 @@ def on_devices(plan: Plan, model) -> set[str]:
 def check_fits(plan: Plan, model, budget: int | None, directory, of: str = "") -> None:
     """Refuse a saved plan made for another model (its tensors or their sizes differ) or larger than the budget
     (of: what the budget was given as, for the message)."""
-    from flexoffload.memory.budget import format_size
+    from flexoffload.memory.budgets import format_size
 
     sizes = {t.name: t.n_bytes for t in model.tensors}
     # an mmap plan (plan --tune measured mmap fastest) holds no weights of its own: its resident bytes are 0; the

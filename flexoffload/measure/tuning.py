@@ -53,7 +53,7 @@ def cache_path(model, budget: int, n_ctx: int, n_batch: int) -> Path:
 
 def cached(model, budget: int, n_ctx: int, n_batch: int):
     """The tuned plan for this model, budget, context and machine, or None."""
-    from flexoffload.plan import plan as plans
+    from flexoffload.plan import plans
 
     directory = cache_path(model, budget, n_ctx, n_batch)
     try:
@@ -101,7 +101,7 @@ MMAP = "mmap"  # the candidate that does not stream: upstream mmap under the sam
 
 def mmap_candidate(model, budget: int, best) -> "Plan":
     """mmap as a plan: nothing streamed, the memory beside the weights that of the streaming plans, no prediction."""
-    from flexoffload.plan import plan as plans
+    from flexoffload.plan import plans
 
     names = tuple(t.name for t in model.tensors)
     memory = replace(best.memory, resident=0, window=0)
@@ -116,8 +116,8 @@ def tune(model, budget: int, profile, run, timed: Callable[[dict], float], n_ctx
     cached for `run --mem`. run: the Footprint at n_ctx and n_batch; timed: the decode tok/s of a cold run of
     PROMPT under the enforced budget, given how it streams ({"strategy": "mmap"} or {"plan_dir": DIR}); api.tune
     gives it."""
-    from flexoffload.memory import budget as budgets
-    from flexoffload.plan import plan as plans
+    from flexoffload.memory import budgets
+    from flexoffload.plan import plans
 
     if budgets.cgroup_unavailable():
         raise FlexoffloadError(f"--tune measures under an enforced budget: {budgets.cgroup_unavailable()}")
