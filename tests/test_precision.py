@@ -12,9 +12,11 @@ from flexoffload import FlexoffloadError
 from flexoffload.plan import mixed
 from flexoffload.gguf import catalog
 from flexoffload.plan import qtypes
+from flexoffload.measure import requantize
 from flexoffload.measure import sensitivity
 from flexoffload.gguf import synth
 from flexoffload.gguf.model import load
+from flexoffload.native import tools
 from flexoffload.plan.qtypes import Row, Sensitivity
 from test_equality import llama_completion
 
@@ -45,7 +47,7 @@ def pair(tmp_path_factory):
     """Original F32 weights and the Q4_0 file llama-quantize makes of them, as the models here are made."""
     d = tmp_path_factory.mktemp("pair")
     original = synth.write(d / "original.gguf", SHAPE, qtype="F32", seed=3)
-    qtypes.run_tool("llama-quantize", [str(original), str(d / "file.gguf"), "Q4_0", "2"], timeout=300)
+    tools.run("llama-quantize", [str(original), str(d / "file.gguf"), "Q4_0", "2"], timeout=300)
     return load(original), load(d / "file.gguf")
 
 
@@ -100,7 +102,7 @@ def test_check_names_the_tensor_and_why():
 
 def test_requantize_changes_the_plan_s_tensors_only(wide, cache):
     types = {"blk.0.ffn_down.weight": "Q3_K", "blk.1.attn_q.weight": "Q2_K"}
-    path = qtypes.requantize(wide, types)
+    path = requantize.requantize(wide, types)
     out = load(path)
     assert {t.name: t.type for t in out.tensors if t.type != tensor(wide, t.name).type} == types
     assert out.weight_bytes == qtypes.mixed_bytes(wide, types) < wide.weight_bytes
@@ -111,8 +113,8 @@ def test_requantize_changes_the_plan_s_tensors_only(wide, cache):
             g.seek(b.offset)
             assert f.read(a.n_bytes) == g.read(b.n_bytes)
     stamp = path.stat().st_mtime_ns
-    assert qtypes.requantize(wide, types) == path and path.stat().st_mtime_ns == stamp  # cached by its inputs
-    assert qtypes.requantize(wide, {"blk.0.ffn_down.weight": "Q2_K"}) != path
+    assert requantize.requantize(wide, types) == path and path.stat().st_mtime_ns == stamp  # cached by its inputs
+    assert requantize.requantize(wide, {"blk.0.ffn_down.weight": "Q2_K"}) != path
 
 
 def test_a_failed_requantization_leaves_no_file(pair, cache, tmp_path):
@@ -120,18 +122,18 @@ def test_a_failed_requantization_leaves_no_file(pair, cache, tmp_path):
     cut = tmp_path / "cut.gguf"  # a whole header, the weights cut short
     cut.write_bytes(original.path.read_bytes()[:original.file_size // 2])
     with pytest.raises(FlexoffloadError, match="GGUF file is truncated"):
-        qtypes.requantize(file, {"blk.0.ffn_down.weight": "Q3_K"}, original=cut)
+        requantize.requantize(file, {"blk.0.ffn_down.weight": "Q3_K"}, original=cut)
     matrix = tmp_path / "bad.imatrix.gguf"  # llama-quantize starts, then fails reading it
     matrix.write_bytes(b"GGUF" + b"\0" * 64)
     with pytest.raises(FlexoffloadError, match="llama-quantize failed"):
-        qtypes.requantize(file, {"blk.0.ffn_down.weight": "Q3_K"}, matrix, original.path)
+        requantize.requantize(file, {"blk.0.ffn_down.weight": "Q3_K"}, matrix, original.path)
     assert not list((cache / "mixed").iterdir())
 
 
 def test_quantizing_from_the_original_loses_less_than_requantizing(pair, cache):
     original, file = pair
     types = {t.name: "Q3_K" for t in file.tensors if qtypes.quantizable(t) and t.layer is not None}
-    twice, once = qtypes.requantize(file, types), qtypes.requantize(file, types, original=original.path)
+    twice, once = requantize.requantize(file, types), requantize.requantize(file, types, original=original.path)
     assert {t.name: t.type for t in load(once).tensors} == {t.name: t.type for t in load(twice).tensors}
     a, b = tensor(file, "token_embd.weight"), tensor(load(once), "token_embd.weight")  # not lowered: Q4_0 again
     with open(file.path, "rb") as f, open(once, "rb") as g:
@@ -150,7 +152,7 @@ def test_the_original_must_be_the_file_s_weights_unquantized(pair, wide, cache, 
     differs = r"other.gguf is not the original of file.gguf: blk.0.ffn_\w+.weight is (768x256|256x768), not"
     for path, message in ((wide.path, r"wide.gguf is quantized \(\S+ is Q4_0\)"), (other, differs)):
         with pytest.raises(FlexoffloadError, match=message):
-            qtypes.check_original(file, path)
+            requantize.check_original(file, path)
     r = cli("plan", "-m", str(file.path), "--mem", "120M", "--max-kld", "0.1", "--original", str(original.path),
             "-o", "x")
     assert r.returncode != 0 and "go with --precision auto" in r.stderr
@@ -167,7 +169,7 @@ def test_kl_divergence_is_zero_against_itself_and_grows_with_fewer_bits(wide, ca
     matrices = [t.name for t in wide.tensors if qtypes.quantizable(t) and t.layer is not None]
     harm = {}
     for ty in ("Q3_K", "Q2_K"):
-        path = qtypes.requantize(wide, {n: ty for n in matrices})
+        path = requantize.requantize(wide, {n: ty for n in matrices})
         harm[ty] = sensitivity.kld(path, base, text, n_ctx=256, n_chunks=2)["kld"]
     assert 0 < harm["Q3_K"] < harm["Q2_K"]
 

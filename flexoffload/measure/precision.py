@@ -9,9 +9,9 @@ from pathlib import Path
 from flexoffload.defaults import IO_THREADS
 from flexoffload.gguf.model import Model, load
 from flexoffload.measure import probe
+from flexoffload.measure import requantize
 from flexoffload.measure import profiler
 from flexoffload.measure import sensitivity
-from flexoffload.plan import qtypes
 from flexoffload.plan.costmodel import Profile
 from flexoffload.plan.mixed import choose, search
 from flexoffload.plan.planners import plan_budget
@@ -27,14 +27,14 @@ def plan(model: Model, budget: int, profile, n_ctx: int, n_batch: int, max_kld: 
     Returns (the residency Plan of the mixed file, with a `precision` record; the walk). n_outputs, n_seq_max
     and draft: speculation's (a tree's rows, its sequences, the resident draft's bytes)."""
     if original is not None:
-        qtypes.check_original(model, original)  # before the profile's hour is spent
+        requantize.check_original(model, original)  # before the profile's hour is spent
     sens = sensitivity.measure(model, n_threads=n_threads, on_row=on_row)
     walk_ = search(model, budget, sens, profile, probe.measure(model, n_ctx, n_batch, n_outputs, n_seq_max),
                    io_threads, draft)
     point = choose(walk_, max_kld, min_tok_s)
-    matrix = qtypes.imatrix(model, sensitivity.calibration_text(), n_threads=n_threads)
+    matrix = requantize.imatrix(model, sensitivity.calibration_text(), n_threads=n_threads)
     if original is not None or point.types:
-        path = qtypes.requantize(model, point.types, matrix, original, n_threads)
+        path = requantize.requantize(model, point.types, matrix, original, n_threads)
     else:
         path = model.path
     mixed = load(path)

@@ -12,7 +12,7 @@ everything else left at the file's types, and two harms are measured:
 - UQEst, M2Cache's uncertainty: the mean entropy of the next-token distribution over text the model generates
   greedily from calibration prompts. A model that lost precision grows less sure of its own continuations.
 
-The planner (planners/mixed.py) adds the groups' KL divergences as the harm of a plan; the sum is checked by
+The walk (plan/mixed.py) adds the groups' KL divergences as the harm of a plan; the sum is checked by
 measuring the mixed model itself. Results are cached per model file, group layout, ladder and calibration, and
 written as each group is measured, so an interrupted profile resumes where it stopped.
 """
@@ -32,7 +32,8 @@ from pathlib import Path
 from flexoffload import FlexoffloadError
 from flexoffload.defaults import cache_dir, content_key, file_key, write_atomic
 from flexoffload.gguf.model import Model
-from flexoffload.measure import about
+from flexoffload.measure import about, requantize
+from flexoffload.native import tools
 from flexoffload.plan import qtypes
 from flexoffload.plan.qtypes import Row, Sensitivity
 from flexoffload.prompts import humaneval
@@ -155,12 +156,12 @@ def parse_kld(log: str) -> dict:
 
 
 def _perplexity(path: Path, text: str, n_ctx: int, n_chunks: int, n_threads: int | None, extra: list[str]) -> str:
+    """llama-perplexity's output (stdout and stderr) for the model at path over the text, extra its arguments."""
     with tempfile.NamedTemporaryFile("w", suffix=".txt", encoding="utf-8") as f:
         f.write(text)
         f.flush()
-        args = ["-m", str(path), "-f", f.name, "-c", str(n_ctx), "-b", str(n_ctx), "--chunks", str(n_chunks),
-                "-t", str(n_threads or os.cpu_count() or 1)] + extra
-        r = qtypes.run_tool("llama-perplexity", args, TIMEOUT_S)
+        args = ["-m", str(path), "-f", f.name, "-c", str(n_ctx), "-b", str(n_ctx), "--chunks", str(n_chunks)] + extra
+        r = tools.run("llama-perplexity", args, TIMEOUT_S, n_threads=n_threads or os.cpu_count() or 1)
     return r.stdout + r.stderr
 
 
@@ -207,7 +208,7 @@ def uqest(path: Path, prompts: list[str], n_predict: int = UQ_TOKENS, n_threads:
 
 def cache_path(model: Model, n_groups: int, ladder: tuple[str, ...]) -> Path:
     key = content_key(str(n_groups), ",".join(ladder), str(KLD_CTX), str(KLD_CHUNKS), str(UQ_PROMPTS),
-                         str(UQ_TOKENS), qtypes.native_key())
+                         str(UQ_TOKENS), requantize.native_key())
     return cache_dir() / "precision" / f"{file_key(model.path)}-sensitivity-{key}.json"
 
 
@@ -249,7 +250,7 @@ def measure(model: Model, n_groups: int = N_GROUPS, ladder: tuple[str, ...] = qt
     cached = None if remeasure else load_cached(model, n_groups, ladder)
     text = calibration_text()
     prompts = calibration_prompts()
-    matrix = qtypes.imatrix(model, text, n_threads=n_threads)
+    matrix = requantize.imatrix(model, text, n_threads=n_threads)
     base = kld_base(model, text, n_threads=n_threads)
     if cached is None:
         own = uqest(model.path, prompts, n_threads=n_threads)
@@ -275,7 +276,7 @@ def measure(model: Model, n_groups: int = N_GROUPS, ladder: tuple[str, ...] = qt
         if cached_tokens is None:
             cached_tokens = uqest(model.path, prompts, n_threads=n_threads)["tokens"]
         types = {name: ty for name in g.tensors}
-        mixed = qtypes.requantize(model, types, matrix, n_threads=n_threads)
+        mixed = requantize.requantize(model, types, matrix, n_threads=n_threads)
         try:
             q = kld(mixed, base, text, n_threads=n_threads)
             u = uqest(mixed, prompts, n_threads=n_threads)
@@ -300,7 +301,7 @@ def quality(model: Model, path: Path, n_threads: int | None = None) -> dict:
     """A re-typed file of the model against the model itself: KL divergence on the calibration text (what the plan's
     bound is in) and on the held-out text (HumanEval 40-163, never used to choose), the held-out perplexity of both,
     and UQEst on the calibration prompts against the model's own. Cached per file (two plans may pick one)."""
-    cached = cache_dir() / "precision" / f"{file_key(path)}-quality-{qtypes.native_key()}.json"
+    cached = cache_dir() / "precision" / f"{file_key(path)}-quality-{requantize.native_key()}.json"
     if cached.is_file():
         return json.loads(cached.read_text())
     calibration, held_out = calibration_text(), held_out_text()

@@ -1,40 +1,25 @@
-"""Lower precisions for weight tensors, and the requantized GGUF a choice of them makes (M2Cache, issue 17).
+"""Lower precisions for weight tensors (M2Cache, issue 17): which a tensor can take, and what a choice of them weighs.
 
 Under a memory budget every streamed byte is disk time, so a tensor given a lower llama.cpp type is speed: fewer
 bytes read per token, or room for more resident tensors. This module says which lower types a tensor can take
 (`candidates`), checks a choice (`check`: the CPU backend must run the type, the tensor's rows must be whole blocks of
-it) and writes the mixed file with the native `llama-quantize` (`requantize`), content-addressed in the cache.
-
-Requantizing an already quantized file loses more than quantizing from the original weights: the first rounding's
-error stays and a second one is added on top. The models here ship quantized (Q4_K_M, the original F16 weights are
-not reachable), so they are requantized; where the original F16/BF16 file is at hand, pass it as `original`
-(`plan --precision auto --original FILE`) and every tensor is quantized from it instead: the plan's tensors to their
-types, the rest to the file's own.
-
-An importance matrix (`llama-imatrix` on a calibration text, `imatrix`) weighs the rounding by how much each input
-column matters; the lowest types (IQ2_XXS, IQ2_XS, IQ1_*) refuse to quantize without one.
+it) and weighs it (`tensor_bytes`, `mixed_bytes`). It starts no process: measure/requantize.py writes the mixed file
+and the importance matrix with llama.cpp's tools.
 """
 
 from __future__ import annotations
 
 import ctypes
-import json
-import os
-import re
-import subprocess
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from flexoffload import FlexoffloadError, native
-from flexoffload.defaults import cache_dir, content_key, file_key
 from flexoffload.gguf.model import Model, Tensor
 
 # The lower types a plan may choose, highest precision first. K-quants and IQ types need rows of 256 weights;
 # the 32-weight types are for the rest (Qwen2.5-0.5B's 896-wide rows). IQ types are left to --types: the CPU runs
 # them more slowly than K-quants of the same size, and a plan should ask for that trade.
 LADDER = ("Q8_0", "Q6_K", "Q5_K", "Q5_0", "Q4_K", "Q4_0", "Q3_K", "Q2_K")
-QUANTIZE_TIMEOUT_S = 1800
 
 
 @dataclass(frozen=True)
@@ -64,6 +49,7 @@ def qtype(name: str) -> QType:
 
 
 def _type_id(name: str) -> int:
+    """The type's enum value in ggml (what ggml's C functions take)."""
     import gguf
 
     return int(gguf.GGMLQuantizationType[name])
@@ -98,6 +84,7 @@ def quantizable(t: Tensor) -> bool:
 
 
 def n_rows(t: Tensor) -> int:
+    """The tensor's rows: the product of its dimensions but the first (a row's length)."""
     rows = 1
     for d in t.shape[1:]:
         rows *= d
@@ -159,117 +146,7 @@ def mixed_bytes(model: Model, types: dict[str, str]) -> int:
     return sum(tensor_bytes(t, types.get(t.name, t.type)) for t in model.tensors)
 
 
-def _tool_failure(name: str, r: subprocess.CompletedProcess) -> FlexoffloadError:
-    lines = [x for x in (r.stderr + r.stdout).splitlines() if x.strip()]
-    errors = [x for x in lines if "error" in x.lower() or "failed" in x.lower()]
-    why = (errors or lines or [""])[-1]
-    return FlexoffloadError(f"{name} failed (exit {r.returncode}): {why.strip()[:200]}")
-
-
-def run_tool(name: str, args: list[str], timeout: float, n_threads: int | None = None) -> subprocess.CompletedProcess:
-    """A llama.cpp tool from the native build; a clear error on failure or when it does not end in time."""
-    cmd = [str(native.tool(name))] + args
-    try:
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL,
-                           errors="replace")
-    except subprocess.TimeoutExpired:
-        raise FlexoffloadError(f"{name} did not end in {timeout:.0f} s") from None
-    if r.returncode != 0:
-        raise _tool_failure(name, r)
-    return r
-
-
-def imatrix(model: Model, text: str, n_ctx: int = 512, n_chunks: int = 0, n_threads: int | None = None,
-            timeout: float = 3600) -> Path:
-    """The importance matrix of the model on a calibration text (llama-imatrix), cached by file and text."""
-    key = content_key(text, str(n_ctx), str(n_chunks))
-    out = cache_dir() / "precision" / f"{file_key(model.path)}-imatrix-{key}.gguf"
-    if out.is_file():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-        text_file, partial = Path(tmp) / "calibration.txt", Path(tmp) / "imatrix.gguf"
-        text_file.write_text(text, encoding="utf-8")
-        args = ["-m", str(model.path), "-f", str(text_file), "-o", str(partial), "-c", str(n_ctx),
-                "-t", str(n_threads or os.cpu_count() or 1), "--no-ppl", "--output-frequency", "100000"]
-        if n_chunks:
-            args += ["--chunks", str(n_chunks)]
-        run_tool("llama-imatrix", args, timeout)
-        if not partial.is_file():
-            raise FlexoffloadError("llama-imatrix wrote no importance matrix")
-        os.replace(partial, out)
-    return out
-
-
-def mixed_path(model: Model, types: dict[str, str], imatrix_path: Path | None, original: Path | None = None) -> Path:
-    """Where the requantized file of a plan's types lives in the cache: named by its inputs."""
-    plan = json.dumps(sorted(types.items()))
-    src = file_key(original) if original else ""
-    im = file_key(imatrix_path) if imatrix_path else ""
-    key = content_key(file_key(model.path), src, im, plan, native_key())
-    return cache_dir() / "mixed" / f"{model.path.stem}-{key}.gguf"
-
-
-def native_key() -> str:
-    """The native build's name (its key): a new llama-quantize may round differently."""
-    return native.build_dir().resolve().parent.parent.name
-
-
-def _pattern(name: str) -> str:
-    """An exact-name pattern for llama-quantize's --tensor-type (a std::regex it searches with)."""
-    return "^" + re.escape(name) + "$"
-
-
-UNQUANTIZED = ("F32", "F16", "BF16")
-
-
-def check_original(model: Model, original: Path) -> Path:
-    """The original (unquantized) weights of the model: every weight matrix of the file, by name and shape, at
-    F32/F16/BF16. Otherwise a one-line error naming the first tensor that differs."""
-    from flexoffload.gguf.model import load
-
-    by_name = {t.name: t for t in load(original).tensors}
-    for t in model.tensors:
-        if not quantizable(t):
-            continue
-        o = by_name.get(t.name)
-        if o is None:
-            raise FlexoffloadError(f"{original.name} is not the original of {model.path.name}: it has no {t.name}")
-        if o.shape != t.shape:
-            raise FlexoffloadError(f"{original.name} is not the original of {model.path.name}: {t.name} is "
-                                   f"{'x'.join(map(str, o.shape))}, not {'x'.join(map(str, t.shape))}")
-        if o.type not in UNQUANTIZED:
-            raise FlexoffloadError(f"{original.name} is quantized ({t.name} is {o.type}): the original weights are "
-                                   f"{', '.join(UNQUANTIZED)}")
-    return original
-
-
-def requantize(model: Model, types: dict[str, str], imatrix_path: Path | None = None, original: Path | None = None,
-               n_threads: int | None = None, timeout: float = QUANTIZE_TIMEOUT_S) -> Path:
-    """The GGUF with the plan's types (every other tensor at the file's own type, copied byte for byte), written by
-    llama-quantize into the cache under a name of its inputs; an existing one is reused. Written to a temporary
-    file first, so a failure never leaves a damaged model behind.
-
-    original: the original (F16/BF16) file of the same model, to quantize from instead of requantizing."""
-    types = validate(model, types, imatrix_path)
-    if original is not None:
-        check_original(model, original)
-    out = mixed_path(model, types, imatrix_path, original)
-    if out.is_file():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    # every weight matrix named, so none takes the target ftype's own choice: the plan's type or the file's
-    lines = [f"{_pattern(t.name)}={types.get(t.name, t.type)}" for t in model.tensors if quantizable(t)]
-    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-        type_file, partial = Path(tmp) / "types.txt", Path(tmp) / "mixed.gguf"
-        type_file.write_text("\n".join(lines) + "\n")
-        args = ["--allow-requantize", "--tensor-type-file", str(type_file)]
-        if imatrix_path:
-            args += ["--imatrix", str(imatrix_path)]
-        args += [str(original or model.path), str(partial), "Q4_K_M", str(n_threads or os.cpu_count() or 1)]
-        run_tool("llama-quantize", args, timeout)
-        os.replace(partial, out)
-    return out
+UNQUANTIZED = ("F32", "F16", "BF16")  # the types of original (never quantized) weights
 
 
 # What measure/sensitivity.py measures: each group's harm at each lower type, as the walk (mixed.py) reads it.

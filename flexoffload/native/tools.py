@@ -1,0 +1,40 @@
+"""The one runner of llama.cpp's tools (llama-quantize, llama-imatrix, llama-perplexity, ...) from the native build.
+
+A tool runs to its end with its output captured; a failure or a run that does not end in time is one line of
+FlexoffloadError naming the tool and its last error line, so a caller's user sees why without the tool's log.
+"""
+
+from __future__ import annotations
+
+import subprocess
+
+from flexoffload import FlexoffloadError
+from flexoffload.native import tool
+
+
+def failure(name: str, r: subprocess.CompletedProcess) -> FlexoffloadError:
+    """The one-line error of a tool that ended with a non-zero exit: its last line saying error or failed (else its
+    last line), cut to 200 characters."""
+    lines = [x for x in (r.stderr + r.stdout).splitlines() if x.strip()]
+    errors = [x for x in lines if "error" in x.lower() or "failed" in x.lower()]
+    why = (errors or lines or [""])[-1]
+    return FlexoffloadError(f"{name} failed (exit {r.returncode}): {why.strip()[:200]}")
+
+
+def run(name: str, args: list[str], timeout: float, n_threads: int | None = None) -> subprocess.CompletedProcess:
+    """The tool's finished run (stdout and stderr as text), without a stdin; a one-line error on failure or when it
+    does not end in timeout seconds.
+
+    n_threads: given, `-t N` is passed after args (the tools that take -t; llama-quantize takes its threads as its
+    last positional argument instead)."""
+    cmd = [str(tool(name))] + args
+    if n_threads is not None:
+        cmd += ["-t", str(n_threads)]
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL,
+                           errors="replace")
+    except subprocess.TimeoutExpired:
+        raise FlexoffloadError(f"{name} did not end in {timeout:.0f} s") from None
+    if r.returncode != 0:
+        raise failure(name, r)
+    return r
