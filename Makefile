@@ -28,9 +28,11 @@ models: setup
 run: models
 	$(VENV)/bin/flexoffload run --mem $(MEM) --enforce -n 96 --temp 0 -p "$$(printf '$(PROMPT)')"
 
-# the layers contract first (pyproject.toml: a module imports only from the layers below its own), then the tests
+# the layers contract first (pyproject.toml: a module imports only from the layers below its own), then no import
+# circle (imports inside functions counted), then the tests
 test: models
 	$(VENV)/bin/lint-imports
+	$(PY) scripts/checks/import_circles.py flexoffload
 	$(PY) -m pytest -q
 
 # llama.cpp's own tests (ctest) on the patched tree, network tests excluded (CI runs it after `make test`)
@@ -44,6 +46,7 @@ server-test: setup
 
 test-fast: setup
 	$(VENV)/bin/lint-imports
+	$(PY) scripts/checks/import_circles.py flexoffload
 	$(PY) -m pytest -q -m "not integration"
 
 bench: models

@@ -21,6 +21,7 @@ from flexoffload.memory.footprint import Footprint
 from flexoffload.plan.placement import (HOST, DeviceProfile, Placement, Walk, device_bytes, head_home, layer_devices,
                                         tensor_devices)
 from flexoffload.plan.placers import oato
+from flexoffload.plan.placers.common import layer_counts
 
 RPC_LIKE = DeviceProfile("RPC0[10.77.0.2:50052]", compute_ratio=1.0, visit_s=0.7e-3, bandwidth=110e6)
 # a device 5x faster than the host at every operator, a visit 0.1 ms, 1 GB/s each way: offloading pays
@@ -41,7 +42,7 @@ def test_layers_go_where_llama_cpp_sends_them():
     assert layer_devices(28, 7, (), 1) == [HOST] * 22 + [0] * 7
     assert layer_devices(28, 0, (), 1) == [HOST] * 29
     assert layer_devices(28, 99, (), 2) == [0] * 15 + [1] * 14  # upstream's equal split: positions k/29 < 0.5
-    for counts in placers.layer_counts(9, 3):
+    for counts in layer_counts(9, 3):
         got = Counter(layer_devices(28, 9, tuple(map(float, counts)), 3))
         assert [got[d] for d in range(3)] == counts and got[HOST] == 20
 

@@ -9,8 +9,8 @@ from flexoffload.gguf import synth
 from flexoffload.plan.costmodel import Pipeline, Profile
 from flexoffload.gguf.model import ATTENTION_KINDS as ATTENTION, FFN_KINDS as FFN, Model, Tensor, load, tensor_kind
 from flexoffload.measure import probe
-from flexoffload.plan.planners import (POLICIES, always_resident, by_kind, is_small, layer_pool, make_plan, memory_for,
-                                       minimum_budget)
+from flexoffload.plan.planners import POLICIES, always_resident, is_small, make_plan, memory_for, minimum_budget
+from flexoffload.plan.planners.common import by_kind, layer_pool
 
 # 8 layers, F32: attn_q/attn_output 1 MiB, attn_k/v 256 KiB (small), FFN 3 MiB each, token_embd/output 2 MiB
 SHAPE = synth.Shape(n_layer=8, n_embd=512, n_ff=1536, n_head=8, n_head_kv=2, n_vocab=1024, n_ctx_train=512)
@@ -387,7 +387,7 @@ def test_a_streamed_output_holds_two_chunks_not_itself(qwen):
     assert p.memory.total <= budget and out.name in p.streamed
     assert p.memory.window == Pipeline(qwen).window_bytes(set(p.resident), p.window) < 64 << 20
     # the ledger a policy fills keeps the same account as the pipeline
-    from flexoffload.plan.planners import base
+    from flexoffload.plan.planners.common import base
 
     ledger = base(qwen, memory_for(qwen, small, 1) + (100 << 20), 1)
     assert out.name not in ledger.resident

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from flexoffload import FlexoffloadError
+from flexoffload.memory.footprint import KERNEL_FIXED, smallest_budget
 
 MiB = 1 << 20
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
@@ -60,9 +61,7 @@ def format_size(n: int, up: bool = False) -> str:
 
 def holding(model, weights: int, run) -> int:
     """The budget a run needs to hold this many bytes of weights (and buffers for them) beside run, its Footprint
-    (what the run takes beside weights at its settings, measured by measure.footprint)."""
-    from flexoffload.memory.footprint import KERNEL_FIXED, smallest_budget
-
+    (what the run takes beside weights at its settings, measured by measure/probe.py)."""
     return smallest_budget(run.runtime + run.code + run.total + KERNEL_FIXED + weights)
 
 

@@ -16,6 +16,9 @@ of a split) and the activation's bytes over the link; when the output head is on
 compute time times the device's `compute_ratio`. Both are measured per device (opprofile.measure_device). Those
 times are added to the host pipeline's stages (costmodel), so streaming on the host overlaps them as it overlaps
 host compute.
+
+A saved plan is checked against the model and budget of a run here too (`check_fits`): the tensors its placement
+puts on devices (`on_devices`) are not this machine's memory.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from pathlib import Path
 from flexoffload import FlexoffloadError
 from flexoffload.defaults import LOAD_PIECE_BYTES
 from flexoffload.gguf.model import Model, Tensor
+from flexoffload.memory.budgets import format_size
 from flexoffload.plan.costmodel import Pipeline, Profile, simulate
 from flexoffload.plan.plans import CPU_BUFT, Memory, Plan
 
@@ -355,3 +359,27 @@ def layers_on(model: Model, layers: Collection[int], buffer_type: str) -> Plan:
                 memory=Memory(resident=on_host, window=0, kv_cache=0, compute=0, overhead=0),
                 resident=names, streamed=(), window=0, io_threads=1, predicted_tok_s=0.0, roofline_tok_s=0.0,
                 placed=placed)
+
+
+def on_devices(plan: Plan, model: Model) -> set[str]:
+    """The tensors a plan puts on other devices, by override or by llama.cpp's layer assignment."""
+    if plan.placement is None:
+        return {n for n, b in plan.placed if b != CPU_BUFT}
+    where = tensor_devices(model, Placement.from_dict(plan.placement))
+    return {n for n, d in where.items() if d != HOST}
+
+
+def check_fits(plan: Plan, model: Model, budget: int | None, directory, of: str = "") -> None:
+    """Refuse a saved plan made for another model (its tensors or their sizes differ) or larger than the budget
+    (of: what the budget was given as, for the message)."""
+    sizes = {t.name: t.n_bytes for t in model.tensors}
+    # an mmap plan (plan --tune measured mmap fastest) holds no weights of its own: its resident bytes are 0; the
+    # bytes of tensors placed on another device are that device's, not this machine's
+    placed = on_devices(plan, model)
+    resident = 0 if plan.policy == "mmap" else sum(sizes.get(n, 0) for n in plan.resident if n not in placed)
+    if set(plan.resident) | set(plan.streamed) != set(sizes) or resident != plan.memory.resident:
+        raise FlexoffloadError(f"the plan in {directory} was made for another model ({Path(plan.model).name}), "
+                               f"not {model.path.name}")
+    if budget is not None and plan.memory.total > budget:
+        raise FlexoffloadError(f"the plan in {directory} takes {format_size(plan.memory.total)}, more than the budget "
+                               f"of {format_size(budget)}{of}")

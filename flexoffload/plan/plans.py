@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from flexoffload import FlexoffloadError
-from flexoffload.plan.costmodel import Profile
+from flexoffload.plan.costmodel import Profile, looked_up_only, row_bytes
 
 STREAMED_BUFT = "STREAMED"  # the name the streaming patch registers its buffer type under
 CPU_BUFT = "CPU"  # the CPU's own: an override sending a tensor a layer assignment put on a device back to the host
@@ -105,8 +105,6 @@ def streamed_bytes(plan: Plan, model) -> int:
     """Bytes a decode pass reads from disk under the plan: the streamed tensors' sizes, but for a tensor only looked
     up (a streamed token_embd the output is not tied to) the one row a token looks up, and of expert tensors the
     routed experts the expert cache is predicted to miss."""
-    from flexoffload.plan.costmodel import looked_up_only, row_bytes
-
     streamed = set(plan.streamed)
     experts = plan.experts["bytes_per_token"] if plan.experts else 0  # the routed experts the cache lacks
     return experts + sum(row_bytes(t) if looked_up_only(model, t) else t.n_bytes for t in model.tensors
@@ -203,34 +201,6 @@ def streamed_by(pairs: list[tuple[str, str]], names: list[str]) -> list[str]:
     """The names an override list sends to the streamed buffer type."""
     bufts = buffer_types_by(pairs, names)
     return [n for n in names if bufts.get(n) == STREAMED_BUFT]
-
-
-def on_devices(plan: Plan, model) -> set[str]:
-    """The tensors a plan puts on other devices, by override or by llama.cpp's layer assignment."""
-    if plan.placement is None:
-        return {n for n, b in plan.placed if b != CPU_BUFT}
-    from flexoffload.plan.placement import HOST, Placement, tensor_devices
-
-    where = tensor_devices(model, Placement.from_dict(plan.placement))
-    return {n for n, d in where.items() if d != HOST}
-
-
-def check_fits(plan: Plan, model, budget: int | None, directory, of: str = "") -> None:
-    """Refuse a saved plan made for another model (its tensors or their sizes differ) or larger than the budget
-    (of: what the budget was given as, for the message)."""
-    from flexoffload.memory.budgets import format_size
-
-    sizes = {t.name: t.n_bytes for t in model.tensors}
-    # an mmap plan (plan --tune measured mmap fastest) holds no weights of its own: its resident bytes are 0; the
-    # bytes of tensors placed on another device are that device's, not this machine's
-    placed = on_devices(plan, model)
-    resident = 0 if plan.policy == "mmap" else sum(sizes.get(n, 0) for n in plan.resident if n not in placed)
-    if set(plan.resident) | set(plan.streamed) != set(sizes) or resident != plan.memory.resident:
-        raise FlexoffloadError(f"the plan in {directory} was made for another model ({Path(plan.model).name}), "
-                               f"not {model.path.name}")
-    if budget is not None and plan.memory.total > budget:
-        raise FlexoffloadError(f"the plan in {directory} takes {format_size(plan.memory.total)}, more than the budget "
-                               f"of {format_size(budget)}{of}")
 
 
 def read(directory: str | os.PathLike) -> Plan:

@@ -5,7 +5,7 @@ report their machine's, so equal shares)."""
 from __future__ import annotations
 
 from flexoffload.plan.placement import Placement
-from flexoffload.plan.placers import Problem
+from flexoffload.plan.placers.common import Problem
 
 
 def place(problem: Problem) -> Placement:

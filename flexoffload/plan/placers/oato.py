@@ -18,7 +18,7 @@ from __future__ import annotations
 from flexoffload.defaults import LOAD_PIECE_BYTES
 from flexoffload.plan.costmodel import MATMUL_KINDS
 from flexoffload.plan.placement import DeviceProfile, Placement
-from flexoffload.plan.placers import Problem
+from flexoffload.plan.placers.common import Problem
 
 CAP = 0.9  # of a device's memory
 

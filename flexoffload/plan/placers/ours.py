@@ -11,7 +11,8 @@ token: on a link every visit costs round trips, which is why per-operator placem
 from __future__ import annotations
 
 from flexoffload.plan.placement import Placement, device_bytes, head_home
-from flexoffload.plan.placers import Problem, evaluate, layer_counts, layers, oato, split
+from flexoffload.plan.placers import layers, oato, split
+from flexoffload.plan.placers.common import Problem, evaluate, layer_counts
 from flexoffload.plan.plans import streamed_bytes
 
 FINALISTS = 4  # candidates whose host tier is planned in full

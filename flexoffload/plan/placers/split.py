@@ -4,7 +4,7 @@ to their budgets; if they cannot hold them all, the most trailing layers they ca
 from __future__ import annotations
 
 from flexoffload.plan.placement import Placement
-from flexoffload.plan.placers import Problem
+from flexoffload.plan.placers.common import Problem
 
 
 def place(problem: Problem) -> Placement:

@@ -34,7 +34,8 @@ from itertools import combinations
 
 from flexoffload.gguf.model import Model, Tensor
 from flexoffload.plan.costmodel import Pipeline, Profile
-from flexoffload.plan.planners import Ledger, base, layer_pool
+from flexoffload.plan.planners.baselines import BASELINES
+from flexoffload.plan.planners.common import Ledger, base, layer_pool
 
 # How much faster the cost model must predict a plan that streams an output matrix the budget could keep, to take
 # it. Measured on the 1.5B (scripts/checks/compare_plans.py: one process, plans in turn,
@@ -46,16 +47,13 @@ OUTPUT_MARGIN = 0.10
 
 
 def plan(model: Model, capacity: int, profile: Profile, window: int, io_threads: int) -> set[str]:
-    from flexoffload.plan.planners import POLICIES  # the baselines, as candidates
-
     ledger = base(model, capacity, window)
     pipe = Pipeline(model, profile, io_threads)
     candidates = _fills(model, pipe, ledger, window)
     by_rows = {name for name in pipe.rows if name in ledger.resident and name not in pipe.tied}
     if by_rows and capacity < model.weight_bytes:  # something streams: try token_embd streamed by rows too
         candidates += _fills(model, pipe, Ledger(model, ledger.resident - by_rows, capacity, window), window)
-    candidates += [policy(model, capacity, profile, window, io_threads)
-                   for name, policy in POLICIES.items() if name != "balanced"]
+    candidates += [policy(model, capacity, profile, window, io_threads) for policy in BASELINES.values()]
     sizes = {t.name: t.n_bytes for t in model.tensors}
 
     def best(sets):

@@ -24,7 +24,7 @@ from __future__ import annotations
 from flexoffload.gguf.model import Model
 from flexoffload.plan.costmodel import Profile
 from flexoffload.gguf.model import ATTENTION_KINDS, FFN_KINDS
-from flexoffload.plan.planners import base, by_kind, layer_pool
+from flexoffload.plan.planners.common import base, by_kind, layer_pool
 
 
 def plan(model: Model, capacity: int, profile: Profile, window: int, io_threads: int) -> set[str]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from flexoffload.gguf.model import Model
 from flexoffload.plan.costmodel import Profile
 from flexoffload.gguf.model import ATTENTION_KINDS, FFN_KINDS
-from flexoffload.plan.planners import base, by_kind, layer_pool
+from flexoffload.plan.planners.common import base, by_kind, layer_pool
 
 
 def _kinds_first(model: Model, capacity: int, window: int, first: tuple[str, ...], then: tuple[str, ...]) -> set[str]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from flexoffload.gguf.model import Model
 from flexoffload.plan.costmodel import Profile
-from flexoffload.plan.planners import base, layer_pool
+from flexoffload.plan.planners.common import base, layer_pool
 
 
 def plan(model: Model, capacity: int, profile: Profile, window: int, io_threads: int) -> set[str]:
