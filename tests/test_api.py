@@ -57,10 +57,10 @@ def test_mmap_runs_where_the_cost_model_predicts_it_as_fast(tmp_path, monkeypatc
     path = synth.write(tmp_path / "four.gguf", shape, "F32")
     request = api.Request(model=str(path), prompt="a b c", n_predict=4, temp=0, mem="4x", n_ctx=256, n_batch=64)
     roomy = api.prepare(request)
-    assert roomy.request.strategy == "mmap" and roomy.plan is None and "predicted as fast" in roomy.notes[0]
+    assert roomy.strategy == "mmap" and roomy.plan is None and "predicted as fast" in roomy.notes[0]
     monkeypatch.setitem(planners.POLICIES, "balanced", planners.POLICIES["none"])
     switched = api.prepare(request)
-    assert switched.request.strategy == "mmap" and switched.plan is None
+    assert switched.strategy == "mmap" and switched.plan is None
     monkeypatch.undo()
     from flexoffload.measure import probe
     from flexoffload.memory import budgets
@@ -68,8 +68,8 @@ def test_mmap_runs_where_the_cost_model_predicts_it_as_fast(tmp_path, monkeypatc
     m = load(path)
     half = budgets.holding(m, m.weight_bytes // 2, probe.measure(m, 256, 64))
     small = api.prepare(api.Request(**{**asdict(request), "mem": str(half)}))
-    assert small.request.strategy == "stream" and not small.notes
+    assert small.strategy == "stream" and not small.notes
     assert plans.streamed_bytes(small.plan, load(path)) > 0
-    assert api.prepare(api.Request(**{**asdict(request), "strategy": "stream"})).request.strategy == "stream"
+    assert api.prepare(api.Request(**{**asdict(request), "strategy": "stream"})).strategy == "stream"
     assert api.generate(request)["tokens"] == api.generate(api.Request(**{**asdict(request), "strategy": "stream"}))[
         "tokens"]

@@ -15,7 +15,7 @@ from flexoffload.plan import plans
 def test_the_concerns_make_the_flat_request_field_for_field():
     r = api.request("m.gguf", "p", api.Generation(n_predict=3, temp=0, n_ctx=256, n_batch=64, n_threads=1),
                     api.Budget(mem="0.5x", window=2, io_threads=3), api.Draft(model="d.gguf", max=8, always=True),
-                    api.Placement(rpc="127.0.0.1:1", n_gpu_layers=2), api.Precision(max_kld=0.1))
+                    api.Placement(rpc="127.0.0.1:1", n_gpu_layers=2), api.Precision(mode="auto", max_kld=0.1))
     flat = api.Request(model="m.gguf", prompt="p", n_predict=3, temp=0, n_ctx=256, n_batch=64, n_threads=1,
                        mem="0.5x", window=2, io_threads=3, draft="d.gguf", draft_max=8, draft_always=True,
                        rpc="127.0.0.1:1", n_gpu_layers=2, precision="auto", max_kld=0.1)

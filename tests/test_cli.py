@@ -153,7 +153,7 @@ def test_profile_and_plan(tiny_model, tmp_path, monkeypatch):
     assert prof["disk_runs"] == 2
     assert prof["disk_bw"] == pytest.approx(1.234e9)
     out = tmp_path / "plan"
-    r = cli("plan", "-m", str(tiny_model), "--mem", "400M", "-c", "256", "-o", str(out), check=True)
+    r = cli("plan", "-m", str(tiny_model), "--mem", "400M", "--strategy", "stream", "-c", "256", "-o", str(out), check=True)
     assert "predicted" in r.stdout and "roofline" in r.stdout
     from flexoffload.plan import plans
 
@@ -187,7 +187,7 @@ def test_a_plan_must_fit_the_model_and_the_budget(tiny_model, tmp_path):
 
     other = synth.write(tmp_path / "other.gguf", synth.SHAPES["llama-gqa-tiny"])
     plan_dir = tmp_path / "plan"
-    cli("plan", "-m", str(other), "--mem", "300M", "-c", "256", "-o", str(plan_dir), check=True)
+    cli("plan", "-m", str(other), "--mem", "300M", "--strategy", "stream", "-c", "256", "-o", str(plan_dir), check=True)
     assert_one_line_error(cli("run", "-m", str(tiny_model), "-p", "x", "--plan", str(plan_dir)),
                           "made for another model")
     assert_one_line_error(cli("run", "-m", str(other), "-p", "x", "-c", "256", "--plan", str(plan_dir), "--mem", "50M"),

@@ -319,13 +319,13 @@ def test_the_plan_counts_the_free_drafters_rows_and_table(tiny_model):
 
     base = dict(model=str(tiny_model), prompt="a b c", n_predict=4, temp=0, n_ctx=256, mem="300M", strategy="stream")
     free = api.prepare(api.Request(**base, spec_type="recycle"))
-    assert free.request.spec_type == "recycle" and free.draft_bytes == drafters.table_bytes(["recycle"], 384) > 0
+    assert free.spec_type == "recycle" and free.draft_bytes == drafters.table_bytes(["recycle"], 384) > 0
     assert free.plan is not None and free.plan.budget == api.prepare(api.Request(**base)).plan.budget
     # decided in the parent, the child (an enforced run) prepares the same request again, not deciding anew
-    assert api.prepare(free.request).request.spec_type == "recycle"
+    assert api.prepare(free.request).spec_type == "recycle"
     assert spec.FREE_NODES_MAX >= spec.FREE_NODES
     # nothing streams for this tiny model under 300M: auto runs the target alone
-    assert api.prepare(api.Request(**base, spec_type="auto")).request.spec_type == "none"
+    assert api.prepare(api.Request(**base, spec_type="auto")).spec_type == "none"
 
 
 def test_real_auto_speculates_where_the_plan_streams_and_not_without_a_budget(real_model, monkeypatch):
@@ -338,12 +338,12 @@ def test_real_auto_speculates_where_the_plan_streams_and_not_without_a_budget(re
     request = api.Request(model=str(real_model), prompt=prompt, temp=0, mem="0.4x", spec_type="auto")
     monkeypatch.setattr(costmodel, "compute_seconds", lambda model, profile: 1e-3)  # the disk sets the pass
     tight = api.prepare(request)
-    assert tight.request.spec_type == ",".join(api.FREE_AUTO) and tight.plan is not None
+    assert tight.spec_type == ",".join(api.FREE_AUTO) and tight.plan is not None
     assert tight.draft_bytes == drafters.table_bytes(["recycle"], tight.model.n_vocab) > 4 << 20
     monkeypatch.setattr(costmodel, "compute_seconds", lambda model, profile: 10.0)  # compute sets it
-    assert api.prepare(request).request.spec_type == "none"
+    assert api.prepare(request).spec_type == "none"
     monkeypatch.undo()
-    assert api.prepare(api.Request(model=str(real_model), prompt=prompt, spec_type="auto")).request.spec_type == "none"
+    assert api.prepare(api.Request(model=str(real_model), prompt=prompt, spec_type="auto")).spec_type == "none"
 
 
 def test_run_speculates_by_default_where_auto_says_it_pays(real_model):
@@ -357,7 +357,7 @@ def test_run_speculates_by_default_where_auto_says_it_pays(real_model):
     flags = request_from_args(["-m", str(real_model), "-p", prompt, "--temp", "0", "--mem", "0.4x"])
     assert flags.spec_type == "auto"
     auto = api.Request(**{**asdict(flags), "spec_type": "auto"})
-    assert api.prepare(flags).request.spec_type == api.prepare(auto).request.spec_type
+    assert api.prepare(flags).spec_type == api.prepare(auto).spec_type
     alone = api.prepare(request_from_args(["-m", str(real_model), "-p", prompt, "--mem", "0.4x", "--spec-type",
                                            "none"]))
-    assert alone.request.spec_type == "none" and alone.draft_bytes == 0
+    assert alone.spec_type == "none" and alone.draft_bytes == 0

@@ -119,8 +119,8 @@ def test_a_long_prompt_gets_its_ubatch_chosen_and_the_same_tokens(qwen2, monkeyp
     request = api.Request(model=str(qwen2.path), prompt=prompt, n_predict=6, temp=0, n_ctx=512, n_batch=64,
                           mem="60M", strategy="stream")
     prepared = api.prepare(request)
-    u = prepared.request.n_ubatch
-    assert u in stepmem.UBATCHES and prepared.request.n_batch >= u and prepared.request.flash_attn == "on"
+    u = prepared.settings.n_ubatch
+    assert u in stepmem.UBATCHES and prepared.settings.n_batch >= u and prepared.settings.flash_attn == "on"
     assert any("ubatches of" in n for n in prepared.notes)
     rate = ubatches.rates(qwen2, request.n_threads)
     assert set(rate) == set(stepmem.UBATCHES) and all(s > 0 for s in rate.values())
@@ -149,4 +149,4 @@ def test_mmap_is_checked_with_the_kv_types_given(tmp_path):
     with pytest.raises(FlexoffloadError, match="KV f16/f16"):
         api.prepare(dataclasses.replace(request, mem=just_under))
     q8 = api.prepare(dataclasses.replace(request, mem=just_under, cache_type_k="q8_0", cache_type_v="q8_0"))
-    assert q8.request.strategy == "mmap" and q8.plan is None
+    assert q8.strategy == "mmap" and q8.plan is None

@@ -19,11 +19,11 @@ def test_tune_measures_the_candidates_keeps_the_fastest_and_run_uses_it(tmp_path
     mem = budgets.holding(m, m.weight_bytes * 3 // 4, probe.measure(m, 512, 512))
     out = json.loads(cli("plan", "-m", str(path), "--mem", str(mem), "-c", "512", "-o", str(tmp_path / "plan"),
                          "--tune", "2", "--tune-rounds", "1", "--json", check=True).stdout)
-    tuning = out["tuning"]
-    assert len(tuning) >= 2 and all(t["error"] == "" and t["measured_tok_s"] > 0 for t in tuning)
-    best = tuning[tuning.pick([t["measured_tok_s"] for t in tuning])]
+    candidates = out["tuning"]
+    assert len(candidates) >= 2 and all(t["error"] == "" and t["measured_tok_s"] > 0 for t in candidates)
+    best = candidates[tuning.pick([t["measured_tok_s"] for t in candidates])]
     assert (out["policy"], out["window"]) == (best["policy"], best["window"])
-    assert tuning[-1]["policy"] == "mmap"  # upstream mmap under the same budget is a candidate too
+    assert candidates[-1]["policy"] == "mmap"  # upstream mmap under the same budget is a candidate too
     assert tuning.cached(m, mem, 512, 512) is not None
 
     tuned = json.loads(cli("run", "-m", str(path), "-p", "a b c", "-n", "4", "--temp", "0", "-c", "512",
@@ -67,9 +67,9 @@ def test_a_run_whose_tuned_choice_is_mmap_says_so_and_runs_mmap(tmp_path, monkey
     plans.write(replace(tuning.mmap_candidate(m, mem, best), tuning=measured), tuning.cache_path(m, mem, 512, 512))
     request = api.Request(model=str(path), prompt="a b c", n_predict=4, n_ctx=512, temp=0, mem=str(mem))
     p = api.prepare(request)
-    assert p.request.strategy == "mmap" and p.plan is None
+    assert p.strategy == "mmap" and p.plan is None
     assert p.notes and "mmap measured faster" in p.notes[0] and "3.00" in p.notes[0] and "2.00" in p.notes[0]
-    assert api.prepare(replace(request, tuned=False)).request.strategy == "stream"
+    assert api.prepare(replace(request, tuned=False)).strategy == "stream"
     r = cli("run", "-m", str(path), "-p", "a b c", "-n", "4", "--temp", "0", "-c", "512", "--mem", str(mem),
             "--json", check=True)
     assert json.loads(r.stdout)["strategy"] == "mmap" and "mmap measured faster" in r.stderr

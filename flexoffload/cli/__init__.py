@@ -23,7 +23,7 @@ from flexoffload import __version__
 COMMANDS = ("bench", "devices", "info", "models", "plan", "profile", "run", "serve")
 
 # Names scripts and tests import from flexoffload.cli, and the command module that defines each.
-_EXPORTS = {"request_from_args": "run", "request_from_flags": "run"}
+_EXPORTS = {"request_from_args": "run"}
 
 
 class _LazyGroup(click.Group):
@@ -71,7 +71,7 @@ def _notes_on_stderr() -> None:
 
 
 def __getattr__(name: str):
-    """request_from_args and request_from_flags, from the run command's module when first asked for."""
+    """request_from_args, from the run command's module when first asked for."""
     if name in _EXPORTS:
         return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,5 +1,4 @@
-"""What several commands share: the one-line error, the prompt read as llama.cpp reads it, a run's report, the
---precision auto options and the placement policies."""
+"""What several commands share: the one-line error, the prompt read as llama.cpp reads it, and a run's report."""
 
 from __future__ import annotations
 
@@ -11,8 +10,6 @@ from pathlib import Path
 import click
 
 from flexoffload import FlexoffloadError
-
-PLACEMENTS = ("auto", "oato", "layers", "split")  # placers.solve's policies
 
 
 def _errors_as_one_line(f):
@@ -59,18 +56,3 @@ def _report(result: dict, as_json: bool) -> None:
         f"peak {peak}{budget}",
         err=True,
     )
-
-
-def _precision_options(f):
-    """run's and plan's --precision auto, its bounds and the original weights (measure/precision.py)."""
-    f = click.option("--original", type=click.Path(exists=True, dir_okay=False), default=None, metavar="GGUF",
-                     help="with --precision auto: the model's original F16/BF16 weights, quantized from instead of "
-                          "requantizing the file (a second rounding loses more)")(f)
-    f = click.option("--min-tok-s", type=float, default=None,
-                     help="with --precision auto: instead, the least harm that reaches this predicted tok/s")(f)
-    f = click.option("--max-kld", type=float, default=None,
-                     help="with --precision auto: the fastest plan whose summed KL divergence is at most this; "
-                          "with --sparsity auto: the fewest neuron groups within it [0.05]")(f)
-    return click.option("--precision", type=click.Choice(["auto"]), default=None,
-                        help="with --mem: lower some tensors' types where it costs the least quality per byte saved "
-                             "(profile --precision measures it) [default: the file's own types]")(f)

@@ -5,18 +5,19 @@ candidates measured, with --rpc a placement across devices, with --precision aut
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
 import click
 
 from flexoffload import FlexoffloadError
-from flexoffload.cli.common import PLACEMENTS, _errors_as_one_line, _precision_options
+from flexoffload import options
+from flexoffload.cli.common import _errors_as_one_line
+from flexoffload.measure import tuning
+from flexoffload.plan import plans
 from flexoffload.gguf import catalog
 from flexoffload.memory import budgets
 from flexoffload.memory.budgets import MiB, format_size
-from flexoffload.runtime.engine import KV_TYPES
 
 
 def _plan_prompt(model, mem, max_prompt, prompt_len, n_predict, flash_attn, cache_types, as_json):
@@ -71,20 +72,8 @@ by measure/dryrun.py)."""
                    f"{peaks}{fits}")
 
 
-def _plan_placement(model, rpc, mem, placement, profile, threads, n_ctx, n_batch, io_threads, out_dir, as_json):
+def _describe_placement(model, p, out_dir) -> None:
     """`plan --rpc`: weights placed across the servers' devices, the host's share planned under its budget."""
-    from flexoffload.measure.servers import for_endpoints
-    from flexoffload.native import devices
-    from flexoffload.plan import plans
-
-    endpoints = devices.parse_endpoints(rpc)
-    for endpoint in endpoints:
-        devices.probe_rpc(endpoint)
-    p = for_endpoints(model, endpoints, mem, placement, profile, threads, n_ctx, n_batch, io_threads)
-    plans.write(p, out_dir)
-    if as_json:
-        click.echo(json.dumps(p.to_dict()))
-        return
     at = p.placement
     cost = at["cost"]
     click.echo(f"{model.path.name}: {at['policy']} placement, written to {out_dir} (llama.cpp: "
@@ -106,7 +95,6 @@ def _plan_precision(model, budget, profile, ctx_size, batch_size, threads, io_th
     from tqdm import tqdm
 
     from flexoffload.measure import precision
-    from flexoffload.plan import plans
 
     bar = tqdm(desc="precision", unit="group", file=sys.stderr, disable=None)
 
@@ -138,21 +126,9 @@ def _plan_precision(model, budget, profile, ctx_size, batch_size, threads, io_th
 
 
 @click.command()
-@click.option("-m", "--model", "model_spec", metavar="MODEL", help=f"GGUF path or catalog name [default: {catalog.DEFAULT_MODEL}]")
-@click.option("--mem", required=True, help="memory budget for the whole process: 400M, 1.5G or 0.4x; with --rpc "
-                                           "also per device: cpu=600M,rpc0=700M")
-@click.option("--policy", default="balanced", show_default=True,
-              help="balanced, flexinfer, attn-first, ffn-first or layer")
-@click.option("--rpc", "rpc", metavar="HOST:PORT,...", help="RPC servers whose devices the plan places weights on")
-@click.option("--placement", type=click.Choice(PLACEMENTS), default="auto", show_default=True,
-              help="with --rpc: how weights are placed across the devices")
-@click.option("-c", "--ctx-size", default=2048, show_default=True)
-@click.option("-b", "--batch-size", default=512, show_default=True)
-@click.option("-t", "--threads", default=os.cpu_count() or 1, show_default=True)
-@click.option("--window", type=int, default=None, help="prefetch window in layers [default: the fastest predicted]")
-@click.option("--io-threads", default=4, show_default=True)
+@options.click_options("plan")
 @click.option("-o", "--output", "out_dir", type=click.Path(file_okay=False),
-              help="directory for tensors.ot and plan.json")
+              help="directory for tensors.ot, plan.json and run.json (what run --plan DIR then runs)")
 @click.option("--tune", "tune_best", type=int, default=None, is_flag=False, flag_value=3, metavar="[N]",
               help="measure the N best predicted plans (3) and every baseline policy under the enforced budget, "
                    "keep the fastest (run --mem then uses it)")
@@ -161,70 +137,64 @@ def _plan_precision(model, budget, profile, ctx_size, batch_size, threads, io_th
               help="report the longest prompt --mem holds (and the ubatch it needs), instead of writing a plan")
 @click.option("--prompt-len", type=int, default=None, metavar="L",
               help="report a prefill of L tokens step by step at each ubatch (memory: its peak and what it leaves)")
-@click.option("-n", "--n-predict", default=0, show_default=True, help="with --max-prompt: tokens to generate after it")
-@click.option("-fa", "--flash-attn", type=click.Choice(["on", "off"]), default="on", show_default=True,
-              help="with --max-prompt or --prompt-len: llama.cpp's attention path")
-@click.option("-ctk", "--cache-type-k", "cache_type_k", type=click.Choice(KV_TYPES), default="f16", show_default=True,
-              help="with --max-prompt or --prompt-len: the KV cache's K type")
-@click.option("-ctv", "--cache-type-v", "cache_type_v", type=click.Choice(KV_TYPES), default="f16", show_default=True,
-              help="with --max-prompt or --prompt-len: the KV cache's V type")
-@_precision_options
 @click.option("--json", "as_json", is_flag=True)
 @_errors_as_one_line
-def plan(model_spec, mem, policy, rpc, placement, ctx_size, batch_size, threads, window, io_threads, out_dir, tune_best,
-         tune_rounds, max_prompt, prompt_len, n_predict, flash_attn, cache_type_k, cache_type_v, precision, max_kld,
-         min_tok_s, original, as_json):
-    """Choose which tensors stay resident under a budget; write tensors.ot and plan.json."""
+def plan(out_dir, tune_best, tune_rounds, max_prompt, prompt_len, as_json, **params):
+    """Choose which tensors stay resident under a budget; write tensors.ot and plan.json: what `run` with the same
+    flags would run (run --plan DIR then runs it)."""
+    from flexoffload import api
     from flexoffload.gguf.model import load
-    from flexoffload.measure import probe
     from flexoffload.measure import profiler
-    from flexoffload.plan import mixed
-    from flexoffload.plan import plans
-    from flexoffload.plan.planners import check_budget, plan_budget
 
-    model = load(catalog.resolve(model_spec))
+    r = options.Request(prompt=" ", **options.request_fields(params))
+    model = load(catalog.resolve(r.model))
     if max_prompt or prompt_len is not None:
-        _plan_prompt(model, mem, max_prompt, prompt_len, n_predict, flash_attn, (cache_type_k, cache_type_v), as_json)
+        attention = "on" if r.flash_attn == "auto" else r.flash_attn
+        _plan_prompt(model, r.mem, max_prompt, prompt_len, r.n_predict, attention,
+                     (r.cache_type_k, r.cache_type_v), as_json)
         return
     if out_dir is None:
         raise FlexoffloadError("plan writes its files to -o DIR")
-    mixed.check_options(precision, max_kld, min_tok_s, original)
+    api.check(r)
     # what can be refused is refused before anything is measured
-    if precision and (rpc or tune_best is not None or policy != "balanced" or window is not None):
+    if r.precision and (r.rpc or tune_best is not None or r.policy != "balanced" or r.window is not None):
         raise FlexoffloadError("--precision auto plans with the balanced policy: not with --rpc, --tune, "
                                "--policy or --window, for now")
-    if precision and original:
-        from flexoffload.plan import qtypes as precisions
+    if r.precision and r.original:
+        from flexoffload.measure import requantize
 
-        precisions.check_original(model, Path(original))
-    if tune_best is not None and (tune_best < 1 or tune_rounds < 1 or policy != "balanced" or window is not None):
+        requantize.check_original(model, Path(r.original))
+    if tune_best is not None and (tune_best < 1 or tune_rounds < 1 or r.policy != "balanced" or r.window is not None):
         raise FlexoffloadError("--tune takes N >= 1 and --tune-rounds >= 1; it chooses the policy and window")
-    budget = None if rpc else budgets.parse_size(mem, model.file_size)
-    run = None if rpc else probe.measure(model, ctx_size, batch_size)
-    if budget is not None and not precision:
-        check_budget(model, budget, run, window)
-    profile = profiler.measure(model, threads)
-    if precision:
-        _plan_precision(model, budgets.parse_size(mem, model.file_size), profile, ctx_size, batch_size, threads,
-                        io_threads, max_kld, min_tok_s, original, out_dir, as_json)
-        return
-    if rpc:
-        _plan_placement(model, rpc, mem, placement, profile, threads, ctx_size, batch_size, io_threads, out_dir,
-                        as_json)
+    if r.precision:
+        budget = budgets.parse_size(r.mem, model.file_size)
+        _plan_precision(model, budget, profiler.measure(model, r.n_threads), r.n_ctx, r.n_batch, r.n_threads,
+                        r.io_threads, r.max_kld, r.min_tok_s, r.original, out_dir, as_json)
         return
     if tune_best is not None:
-        from flexoffload import api
+        from flexoffload.measure import probe
+        from flexoffload.plan.planners import check_budget
 
-        p = api.tune(model, budget, profile, ctx_size, batch_size, tune_best, tune_rounds,
-                     echo=None if as_json else lambda msg: click.echo(msg, err=True))
-    else:
-        from flexoffload import api
-
-        p = plan_budget(model, budget, policy, profile, run, window=window, io_threads=io_threads,
-                        misses=api.expert_misses(model))
-    plans.write(p, out_dir)
+        budget = budgets.parse_size(r.mem, model.file_size)
+        check_budget(model, budget, probe.measure(model, r.n_ctx, r.n_batch), r.window)
+        p = api.tune(model, budget, profiler.measure(model, r.n_threads), r.n_ctx, r.n_batch, tune_best,
+                     tune_rounds, echo=None if as_json else lambda msg: click.echo(msg, err=True))
+        plans.write(p, out_dir)
+    else:  # the one planning path: what run with these flags would run
+        prepared = api.prepare(r)
+        for line in prepared.notes:
+            click.echo(line, err=True)
+        prepared.write(out_dir)
+        p = prepared.plan or prepared.mmap_plan
     if as_json:
         click.echo(json.dumps(p.to_dict()))
+        return
+    if p.placement:
+        _describe_placement(model, p, out_dir)
+        return
+    if p.policy == tuning.MMAP:
+        click.echo(f"{model.path.name}: at {format_size(p.budget)} run runs upstream mmap (the page cache holds what "
+                   f"a token reads), written to {out_dir} (--strategy stream plans streaming)")
         return
     m = p.memory
     streamed = plans.streamed_bytes(p, model)
@@ -242,6 +212,4 @@ def plan(model_spec, mem, policy, rpc, placement, ctx_size, batch_size, threads,
                    f"batch's), predicted hit rate {x['hit_rate']:.0%}, {x['bytes_per_token'] / MiB:.1f} MiB read a token")
     click.echo(f"  predicted {p.predicted_tok_s:.2f} tok/s; roofline {p.roofline_tok_s:.2f} tok/s")
     if p.tuning:
-        from flexoffload.measure import tuning
-
         click.echo("  tuned: the candidates, measured under the budget\n" + tuning.describe(p))

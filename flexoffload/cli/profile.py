@@ -5,13 +5,12 @@ would read (measure/)."""
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
 import click
 
-from flexoffload import FlexoffloadError
+from flexoffload import FlexoffloadError, options
 from flexoffload.cli.common import _errors_as_one_line
 from flexoffload.gguf import catalog
 from flexoffload.plan.qtypes import LADDER
@@ -156,8 +155,7 @@ def _profile_neurons(model, threads: int, n_group: int | None, levels: str | Non
 
 
 @click.command()
-@click.option("-m", "--model", "model_spec", metavar="MODEL", help=f"GGUF path or catalog name [default: {catalog.DEFAULT_MODEL}]")
-@click.option("-t", "--threads", default=os.cpu_count() or 1, show_default=True)
+@options.click_options("profile")
 @click.option("--remeasure", is_flag=True, help="measure again even if a profile is cached")
 @click.option("--ops", is_flag=True,
               help="time every weight's operator (MUL_MAT, GET_ROWS) for a decoded token and a prompt ubatch")
@@ -188,14 +186,15 @@ def _profile_neurons(model, threads: int, n_group: int | None, levels: str | Non
               help="with --neurons: the groups a token reads, measured [default: 16,20,24,28,30,32 of 32]")
 @click.option("--json", "as_json", is_flag=True)
 @_errors_as_one_line
-def profile(model_spec, threads, remeasure, ops, batch_size, rpc, precision, n_groups, ladder, experts, slots,
+def profile(model, n_threads, remeasure, ops, batch_size, rpc, precision, n_groups, ladder, experts, slots,
             text_file, neurons, neuron_groups, levels, as_json):
     """Measure disk bandwidth and compute speed for the cost model (cached per model file)."""
     from flexoffload.gguf.model import load
     from flexoffload.measure import profiler
     from flexoffload.plan.costmodel import compute_seconds
 
-    model = load(catalog.resolve(model_spec))
+    threads = n_threads
+    model = load(catalog.resolve(model))
     if rpc and not ops:
         raise FlexoffloadError("--rpc profiles the servers' devices with --ops")
     if (slots or text_file) and not experts:

@@ -46,7 +46,7 @@ def predicted(model: str, mem: int, n_ctx: int, raw: bool) -> tuple[float, bool 
     with mock.patch.object(profiler, "measure", measure):
         alone = api.prepare(request(model, mem, 64, n_ctx)).plan.predicted_tok_s
         try:
-            with_draft = api.prepare(request(model, mem, 64, n_ctx, DRAFT)).request.draft is not None
+            with_draft = api.prepare(request(model, mem, 64, n_ctx, DRAFT)).draft is not None
         except FlexoffloadError:
             with_draft = None
     return alone, with_draft

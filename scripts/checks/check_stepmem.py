@@ -167,7 +167,7 @@ def chosen(opts) -> None:
             row = {"mem": mem, "config": "chosen", "n_ctx": n_ctx}
             try:
                 prepared = api.prepare(request)
-                u = prepared.request.n_ubatch
+                u = prepared.settings.n_ubatch
                 _, _, first = ubatches.choose(model, limit, api._check_prompt_length(model, request), 16, n_ctx,
                                              "balanced", profiler.measure(model, 2), 2, 4)
                 row.update(n_ubatch=u, predicted_ttft_s=round(first, 2),

@@ -1,0 +1,3 @@
+from flexoffload.api.child import main
+
+main()
