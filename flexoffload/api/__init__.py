@@ -31,13 +31,14 @@ from flexoffload.options import Budget, Draft, Generation, Placement, Precision,
 from flexoffload.plan import replay
 from flexoffload.plan.costmodel import compute_seconds
 from flexoffload.api.drafting import FREE_AUTO, FREE_AUTO_MD, recycle_store
-from flexoffload.api.execute import enforceable, execute, run_in_cgroup, run_prepared, serve
+from flexoffload.api.execute import enforceable, execute, run_in_cgroup, run_prepared, serve, tell
 from flexoffload.api.planning import expert_misses, plan_for_run
 from flexoffload.api.prepare import Prepared, prepare
 
 __all__ = ["Budget", "Draft", "FREE_AUTO", "FREE_AUTO_MD", "Generation", "Placement", "Precision", "Prepared",
            "Request", "enforceable", "execute", "expert_misses", "experts", "generate", "load", "plan",
-           "plan_for_run", "prepare", "recycle_store", "request", "run_in_cgroup", "run_prepared", "serve", "tune"]
+           "plan_for_run", "prepare", "recycle_store", "request", "run_in_cgroup", "run_prepared", "serve", "tell",
+           "tune"]
 
 
 def load(model=None):
@@ -58,15 +59,15 @@ def plan(model, budget: Budget, generation: Generation = Generation(), draft: Dr
 
 def generate(model, prompt: str | None = None, generation: Generation = Generation(), budget: Budget = Budget(),
              draft: Draft | None = None, placement: Placement = Placement(), precision: Precision | None = None,
-             plan=None, on_text=None, enforce: bool = False, echo=None, timeout: float | None = None,
+             plan=None, on_text=None, enforce: bool = False, timeout: float | None = None,
              cgroup_limit: int | None = None) -> dict:
     """Generate from prompt with model under the budget; the result as a dict (text, tokens, decode_tok_s,
     ttft_s, peak_mem_mb, the plan's prediction, ...). plan: a Plan to stream by (api.plan's, or plans.read's).
-    enforce: in a child process held to the budget by a memory cgroup (where none can be made, echo says so and
+    enforce: in a child process held to the budget by a memory cgroup (where none can be made, the user is told and
     the run goes unenforced); cgroup_limit: the cgroup's limit instead of the budget. on_text: called with each
-    piece of text as it comes. echo: called with each line to tell the user (stderr).
+    piece of text as it comes. What the user is told goes to the "flexoffload" logger (the CLI prints it).
     generate(Request, ...) is the flat form."""
-    run = dict(on_text=on_text, enforce=enforce, echo=echo, timeout=timeout, cgroup_limit=cgroup_limit)
+    run = dict(on_text=on_text, enforce=enforce, timeout=timeout, cgroup_limit=cgroup_limit)
     if isinstance(model, Request):
         return execute(prepare(model), **run)
     if plan is None:
@@ -78,7 +79,7 @@ def generate(model, prompt: str | None = None, generation: Generation = Generati
 
 
 def tune(model, budget: int, profile, n_ctx: int = 2048, n_batch: int = 512, n_best: int = 3, rounds: int = 2,
-         n_predict: int = 8, echo=None):
+         n_predict: int = 8):
     """plan --tune (measure/tuning.py): the candidate plans each run cold under the enforced budget, in turn."""
 
     def timed(how: dict) -> float:
@@ -88,7 +89,7 @@ def tune(model, budget: int, profile, n_ctx: int = 2048, n_batch: int = 512, n_b
         return run_in_cgroup(prepared, budget, timeout=900)["decode_tok_s"]
 
     return tuning.tune(model, budget, profile, probe.measure(model, n_ctx, n_batch), timed, n_ctx, n_batch,
-                       n_best, rounds, echo)
+                       n_best, rounds)
 
 
 def experts(model, slots: list[int] | None = None, text: str | None = None, n_threads: int | None = None,

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import logging
 import signal
 import sys
 import tempfile
@@ -17,6 +18,14 @@ from flexoffload.native import devices
 from flexoffload.plan import plans
 from flexoffload.runtime import chat, engine, server, speculate
 from flexoffload.api.prepare import Prepared, prepare
+
+log = logging.getLogger(__name__)
+
+
+def tell(lines) -> None:
+    """What the user is told (a Prepared's notes): the package's logger, which the CLI prints on stderr."""
+    for line in lines:
+        log.info(line.removeprefix("flexoffload: "))
 
 
 def read_message() -> str:
@@ -52,7 +61,7 @@ def run_prepared(p: Prepared, on_text=None, read_line=None, note=None) -> dict:
     if r.chat:
         with engine.Engine(path, settings) as eng:
             result = chat.converse(eng, r.prompt.strip() or None, r.n_predict, read_line or read_message, on_text,
-                                   note or (lambda line: print(line, file=sys.stderr)))
+                                   note or (lambda line: log.info(line)))
     elif p.tree is not None:
         store = Path(p.store) if p.store else None
         result = speculate.run(path, settings, p.draft, p.tree, r.prompt, r.n_predict, on_text, p.free,
@@ -115,35 +124,32 @@ def run_in_cgroup(p: Prepared, limit: int | None, stream_text: bool = False, tim
     return result
 
 
-def enforceable(p: Prepared, echo=None) -> bool:
+def enforceable(p: Prepared) -> bool:
     """--enforce: whether a memory cgroup can hold the run at its budget (a run without a budget is refused; where no
-    cgroup can be made, echo says so and the run goes unenforced)."""
+    cgroup can be made, the user is told and the run goes unenforced)."""
     if p.limit is None:
         raise FlexoffloadError("--enforce needs a budget: add --mem SIZE")
     unavailable = budgets.cgroup_unavailable()
-    if unavailable and echo:
-        echo(f"flexoffload: {unavailable}; running without an enforced budget")
+    if unavailable:
+        log.info(f"{unavailable}; running without an enforced budget")
     return not unavailable
 
 
-def execute(p: Prepared, on_text=None, enforce: bool = False, echo=None, timeout: float | None = None,
+def execute(p: Prepared, on_text=None, enforce: bool = False, timeout: float | None = None,
             cgroup_limit: int | None = None) -> dict:
     """Run a Prepared as generate does: its notes told, in this process, or in a child (enforced, or where RPC
     servers could abort the process)."""
-    for line in p.notes:
-        if echo:
-            echo(line)
+    tell(p.notes)
     if not enforce and p.settings.rpc:  # in a child: llama.cpp aborts the process when an RPC server fails
         return run_in_cgroup(p, None, stream_text=on_text is not None, timeout=timeout)
-    if not enforce or not enforceable(p, echo):
+    if not enforce or not enforceable(p):
         return run_prepared(p, on_text)
     result = run_in_cgroup(p, cgroup_limit or p.limit, stream_text=on_text is not None, timeout=timeout)
     result["budget_mb"] = p.limit / MiB
     return result
 
 
-def serve(request, n_parallel: int, listen, enforce: bool = False, extra: tuple[str, ...] = (), echo=None,
-          on_ready=None):
+def serve(request, n_parallel: int, listen, enforce: bool = False, extra: tuple[str, ...] = (), on_ready=None):
     """`flexoffload serve`: llama-server for n_parallel sequences, prepared and planned as `run` is (the plan for that
     many sequences, the same settings, cgroup and page-cache handling), behind the front (runtime/server.py:
     listen is its Listen), until SIGINT or SIGTERM. on_ready(port, load_s, prepared, enforced) once it answers;
@@ -151,9 +157,8 @@ def serve(request, n_parallel: int, listen, enforce: bool = False, extra: tuple[
     from dataclasses import replace
 
     p = prepare(replace(request, prompt=request.prompt or " "), n_seq_max=n_parallel)  # a server has no prompt
-    for line in p.notes:
-        if echo:
-            echo(line)
-    limit = p.limit if enforce and enforceable(p, echo) else None
+    tell(p.notes)
+    limit = p.limit if enforce and enforceable(p) else None
     ready = (lambda port, load_s: on_ready(port, load_s, p, limit is not None)) if on_ready else None
-    return server.serve(str(p.model.path), p.settings, n_parallel, listen, limit, p.limit, extra, echo, ready)
+    return server.serve(str(p.model.path), p.settings, n_parallel, listen, limit, p.limit, extra,
+                        lambda line: tell([line]), ready)

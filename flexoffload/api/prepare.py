@@ -11,6 +11,7 @@ and runs it without preparing again.
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
@@ -29,6 +30,8 @@ from flexoffload.api.planning import mmap_instead, plan_for_run, step_setting
 
 LONG_PROMPT = 256  # tokens: a prompt longer than this has its prefill's ubatch chosen (plan/prefill.py)
 DECISION_FILE = "run.json"  # beside a plan's files: what else `plan -o` decided (drafting, ubatch)
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -155,7 +158,7 @@ def _sparsity(w, model, limit: int | None, notes: list[str]):
     sparsity.check(model)
     want = levels.parse(w.sparsity)
     dense = replace(w, sparsity=None, max_kld=None)
-    say = lambda msg: notes_now(f"flexoffload: {msg}")  # noqa: E731 (a first build takes minutes: said as it goes)
+    say = log.info  # a first build takes minutes: said as it goes
     s = sparsity.load_cached(model)  # the grouping profile --neurons made, if it ran
     if want == "auto" and s is None:
         say(f"--sparsity auto: measuring {model.path.name}'s predicted neurons first (profile --neurons; cached, "
@@ -193,13 +196,6 @@ def _sparsity(w, model, limit: int | None, notes: list[str]):
             return dense, model
     notes.append(f"flexoffload: predicted neurons: {k} of {n_group} groups a token ({what})")
     return decided, sparse
-
-
-def notes_now(line: str) -> None:
-    """What must be said while prepare is still working (a build of minutes), through the package's logger."""
-    import logging
-
-    logging.getLogger("flexoffload").info(line.removeprefix("flexoffload: "))
 
 
 def _saved_decision(w):

@@ -57,7 +57,7 @@ class Row:
     error: str = ""
 
 
-def run(model_spec, mems, strategies, repetitions, n_predict, prompt, n_ctx, n_threads, echo) -> list[Row]:
+def run(model_spec, mems, strategies, repetitions, n_predict, prompt, n_ctx, n_threads) -> list[Row]:
     from flexoffload import api
 
     path = catalog.resolve(model_spec)
@@ -76,7 +76,7 @@ def run(model_spec, mems, strategies, repetitions, n_predict, prompt, n_ctx, n_t
     if unavailable:
         raise FlexoffloadError(f"bench needs enforced budgets: {unavailable}")
     if not budgets.drop_page_cache():
-        echo("flexoffload: cannot drop the page cache here (needs root); runs after the first start warm")
+        log.info("cannot drop the page cache here (needs root); runs after the first start warm")
     rows = []
     total = len(budgets_bytes) * len(strategies) * repetitions
     log.info("bench: %d runs (%d budgets x %d strategies x %d), each a fresh process in its own cgroup, cold "

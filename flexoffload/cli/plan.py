@@ -178,12 +178,11 @@ def plan(out_dir, tune_best, tune_rounds, max_prompt, prompt_len, as_json, **par
         budget = budgets.parse_size(r.mem, model.file_size)
         check_budget(model, budget, probe.measure(model, r.n_ctx, r.n_batch), r.window)
         p = api.tune(model, budget, profiler.measure(model, r.n_threads), r.n_ctx, r.n_batch, tune_best,
-                     tune_rounds, echo=None if as_json else lambda msg: click.echo(msg, err=True))
+                     tune_rounds)
         plans.write(p, out_dir)
     else:  # the one planning path: what run with these flags would run
         prepared = api.prepare(r)
-        for line in prepared.notes:
-            click.echo(line, err=True)
+        api.tell(prepared.notes)
         prepared.write(out_dir)
         p = prepared.plan or prepared.mmap_plan
     if as_json:

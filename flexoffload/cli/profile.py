@@ -162,10 +162,10 @@ def _profile_neurons(model, threads: int, n_group: int | None, levels: str | Non
 @click.option("-b", "--batch-size", type=int, default=None,
               help="with --ops: the prompt ubatch timed [default: 64]; with --experts: the prompt ubatch replayed "
                    "[default: 512]")
-@click.option("--rpc", "rpc", metavar="HOST:PORT,...",
+@click.option("--rpc", "servers", metavar="HOST:PORT,...",
               help="with --ops: each RPC server's device as well (its compute against this CPU's, a visit's cost, "
                    "its link), from whole tokens with layers placed on it")
-@click.option("--precision", is_flag=True,
+@click.option("--precision", "sensitivity", is_flag=True,
               help="measure the harm of each lower type per group of tensors (KL divergence, UQEst) for "
                    "plan --precision auto")
 @click.option("--groups", "n_groups", default=4, show_default=True, help="with --precision: layer groups per kind")
@@ -186,7 +186,7 @@ def _profile_neurons(model, threads: int, n_group: int | None, levels: str | Non
               help="with --neurons: the groups a token reads, measured [default: 16,20,24,28,30,32 of 32]")
 @click.option("--json", "as_json", is_flag=True)
 @_errors_as_one_line
-def profile(model, n_threads, remeasure, ops, batch_size, rpc, precision, n_groups, ladder, experts, slots,
+def profile(model, n_threads, remeasure, ops, batch_size, servers, sensitivity, n_groups, ladder, experts, slots,
             text_file, neurons, neuron_groups, levels, as_json):
     """Measure disk bandwidth and compute speed for the cost model (cached per model file)."""
     from flexoffload.gguf.model import load
@@ -195,7 +195,7 @@ def profile(model, n_threads, remeasure, ops, batch_size, rpc, precision, n_grou
 
     threads = n_threads
     model = load(catalog.resolve(model))
-    if rpc and not ops:
+    if servers and not ops:
         raise FlexoffloadError("--rpc profiles the servers' devices with --ops")
     if (slots or text_file) and not experts:
         raise FlexoffloadError("--slots and -f go with --experts")
@@ -207,11 +207,11 @@ def profile(model, n_threads, remeasure, ops, batch_size, rpc, precision, n_grou
     if experts:
         _profile_experts(model, threads, slots, text_file, batch_size or 512, remeasure, as_json)
         return
-    if precision:
+    if sensitivity:
         _profile_precision(model, threads, n_groups, ladder, remeasure, as_json)
         return
     if ops:
-        _profile_ops(model, threads, batch_size or 64, remeasure, as_json, rpc)
+        _profile_ops(model, threads, batch_size or 64, remeasure, as_json, servers)
         return
     p = profiler.measure(model, threads, remeasure=remeasure)
     tok_s = 1.0 / compute_seconds(model, p)

@@ -57,6 +57,5 @@ def run(**params):
     if request.chat and not as_json and sys.stdin.isatty():
         click.echo(f"flexoffload: a conversation ({HELP})", err=True)
     on_text = None if as_json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
-    result = api.generate(request, on_text=on_text, enforce=params["enforce"],
-                          echo=lambda msg: click.echo(msg, err=True))
+    result = api.generate(request, on_text=on_text, enforce=params["enforce"])
     _report(result, as_json)

@@ -54,6 +54,6 @@ def serve(enforce, n_parallel, host, port, api_key, queue, llama_args, **params)
                    f"{ctx_size // n_parallel} tokens, {how}{budget}{held}; loaded in {load_s:.1f} s)", err=True)
 
     served = api.serve(request, n_parallel, listen, enforce, tuple(llama_args),
-                       echo=lambda msg: click.echo(msg, err=True), on_ready=ready)
+                       on_ready=ready)
     click.echo(f"flexoffload: stopped after {served.requests} requests ({served.cancelled} cancelled, "
                f"{served.rejected} refused: queue full), peak {served.peak_mem_mb:.0f} MiB", err=True)

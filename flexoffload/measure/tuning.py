@@ -111,7 +111,7 @@ def mmap_candidate(model, budget: int, best) -> "Plan":
 
 
 def tune(model, budget: int, profile, run, timed: Callable[[dict], float], n_ctx: int = 2048, n_batch: int = 512,
-         n_best: int = 3, rounds: int = 2, echo=None):
+         n_best: int = 3, rounds: int = 2):
     """Measure the candidates under the enforced budget and return the fastest, with `tuning` recorded; it is
     cached for `run --mem`. run: the Footprint at n_ctx and n_batch; timed: the decode tok/s of a cold run of
     PROMPT under the enforced budget, given how it streams ({"strategy": "mmap"} or {"plan_dir": DIR}); api.tune
@@ -140,9 +140,8 @@ def tune(model, budget: int, profile, run, timed: Callable[[dict], float], n_ctx
                     speeds[i].append(timed(how))
                 except FlexoffloadError as e:
                     errors[i] = str(e)
-                if echo:
                     got = f"{speeds[i][-1]:.2f} tok/s" if speeds[i] and not errors[i] else errors[i]
-                    echo(f"tune: round {r + 1}/{rounds}: {_name(p.policy, p.window, p.predicted_tok_s)}: {got}")
+                log.info(f"tune: round {r + 1}/{rounds}: {_name(p.policy, p.window, p.predicted_tok_s)}: {got}")
     measured = [statistics.fmean(s) if s and not e else 0.0 for s, e in zip(speeds, errors)]
     if not any(measured):
         raise FlexoffloadError(f"no candidate plan ran under {budget} bytes: {errors[0]}")
