@@ -1,7 +1,9 @@
 """`flexoffload serve` as users use it: the official `openai` client (chat, completion, streaming with usage), errors
 (400 for a malformed body or a prompt longer than a sequence's context, 401 without the key, 503 when the queue is
 full), concurrent clients whose greedy outputs equal single-client `flexoffload run` outputs, a client that goes
-away cancelled, and a clean exit on SIGTERM or SIGINT: no llama-server left, no cgroup, no temporary folder.
+away cancelled, and a clean exit on SIGTERM or SIGINT: no llama-server left, no cgroup, no temporary folder. Bad
+input (raw sockets: malformed HTTP a client library would not send), requests while the model loads and SIGTERM with
+requests in flight each get a clear status, never a traceback.
 
 The models are synthetic (random weights) unless marked integration (the real 0.5B)."""
 
@@ -28,25 +30,33 @@ from flexoffload.gguf import synth
 import openai  # noqa: E402  (the official client: a test extra)
 
 class Serving:
-    """A `flexoffload serve` process on a free port, its ready line read; stopped (and checked clean) on exit."""
+    """A `flexoffload serve` process (on a free port unless port is given), its ready line read (unless wait is
+    False: then wait_ready); stopped (and checked clean) on exit."""
 
-    def __init__(self, *args: str, timeout: float = 600):
-        self.proc = subprocess.Popen([sys.executable, "-m", "flexoffload", "serve", "--port", "0", "-t", "2", *args],
+    def __init__(self, *args: str, timeout: float = 600, port: int = 0, wait: bool = True):
+        self.proc = subprocess.Popen([sys.executable, "-m", "flexoffload", "serve", "--port", str(port), "-t", "2",
+                                      *args],
                                      stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                      text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         self.lines: list[str] = []
-        ready: queue.Queue = queue.Queue()
+        self.port = port
+        self.ready: queue.Queue = queue.Queue()
 
         def read():
             for line in self.proc.stderr:
                 self.lines.append(line)
                 if "serving" in line:
-                    ready.put(line)
-            ready.put(None)
+                    self.ready.put(line)
+            self.ready.put(None)
 
         threading.Thread(target=read, daemon=True).start()
+        if wait:
+            self.wait_ready(timeout)
+
+    def wait_ready(self, timeout: float = 600) -> None:
+        """Wait for the ready line: the port it names, llama-server's pid and socket folder."""
         try:
-            line = ready.get(timeout=timeout)
+            line = self.ready.get(timeout=timeout)
         except queue.Empty:
             self.proc.kill()
             raise AssertionError(f"serve did not become ready: {''.join(self.lines)}") from None
@@ -55,16 +65,19 @@ class Serving:
             raise AssertionError(f"serve exited ({self.proc.returncode}): {''.join(self.lines)}")
         self.port = int(line.split("http://127.0.0.1:")[1].split("/")[0])
         self.base = f"http://127.0.0.1:{self.port}"
-        self.server_pid = self._llama_server()
+        self.server_pid = self.llama_server()
+        assert self.server_pid is not None, f"no llama-server child of {self.proc.pid}"
 
-    def _llama_server(self) -> int:
+    def llama_server(self) -> int | None:
+        """The pid of serve's llama-server child (its socket's folder in socket_dir); None before it starts."""
         children = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text().split()
         for pid in children:
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-            if any(b"llama-server" in part for part in cmd):
-                self.socket_dir = Path(cmd[cmd.index(b"--host") + 1].decode()).parent
-                return int(pid)
-        raise AssertionError(f"no llama-server child of {self.proc.pid}: {children}")
+            with contextlib.suppress(OSError):
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+                if any(b"llama-server" in part for part in cmd) and b"--host" in cmd:
+                    self.socket_dir = Path(cmd[cmd.index(b"--host") + 1].decode()).parent
+                    return int(pid)
+        return None
 
     def client(self, key: str = "none", **kw):
         return openai.OpenAI(base_url=f"{self.base}/v1", api_key=key, max_retries=0, **kw)
@@ -93,12 +106,13 @@ class Serving:
         """Stop it as a service manager (SIGTERM) or a terminal (SIGINT) does; check that nothing is left."""
         cgroups = [p for p in Path("/sys/fs/cgroup").rglob(f"flexoffload-{self.proc.pid}-*")] \
             if Path("/sys/fs/cgroup").is_dir() else []
+        server_pid = getattr(self, "server_pid", None) or self.llama_server()  # before ready: maybe none yet
         self.proc.send_signal(sig)
         assert self.proc.wait(timeout=30) == 0, "".join(self.lines)
         time.sleep(0.2)  # the reader thread's last lines
-        assert not Path(f"/proc/{self.server_pid}").exists() or \
-            Path(f"/proc/{self.server_pid}/stat").read_text().split()[2] == "Z", "llama-server outlived serve"
-        assert not self.socket_dir.exists(), f"{self.socket_dir} left behind"
+        assert server_pid is None or not Path(f"/proc/{server_pid}").exists() or \
+            Path(f"/proc/{server_pid}/stat").read_text().split()[2] == "Z", "llama-server outlived serve"
+        assert not hasattr(self, "socket_dir") or not self.socket_dir.exists(), f"{self.socket_dir} left behind"
         assert not any(p.exists() for p in cgroups), f"cgroups left behind: {cgroups}"
         return "".join(self.lines)
 
@@ -322,6 +336,168 @@ def test_a_client_of_a_request_not_streamed_that_goes_away_is_cancelled(slow_mod
         s.stop()
 
 
+def raw_http(port: int, *parts: bytes, pause: float = 0.3, timeout: float = 60) -> tuple[int | None, bytes]:
+    """(status or None, whole answer) of bytes sent as they are on a fresh connection (parts pause seconds apart), read
+    until the answer is whole (its Content-Length) or the server closes the connection: a client library would refuse
+    to send most of what these tests send."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
+        for i, part in enumerate(parts):
+            if i:
+                time.sleep(pause)
+            sock.sendall(part)
+        answer = b""
+        with contextlib.suppress(ConnectionResetError):
+            while chunk := sock.recv(1 << 16):
+                answer += chunk
+                head, sep, body = answer.partition(b"\r\n\r\n")
+                length = [int(line.split(b":")[1]) for line in head.split(b"\r\n")[1:]
+                          if line.lower().startswith(b"content-length:")]
+                if sep and length and len(body) >= length[0]:
+                    break
+    status = answer.split(b" ", 2)[1] if answer.startswith(b"HTTP/1.") else None
+    return (int(status) if status else None), answer
+
+
+def test_malformed_http_is_a_clear_status_never_a_traceback(tiny_model):
+    """What a client library would not send: each is answered with a status and the connection closed, nothing
+    reaches llama-server, serve logs no traceback and goes on serving."""
+    post = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+    body = json.dumps({"prompt": "a", "max_tokens": 2}).encode()
+    with Serving("-m", str(tiny_model), "-c", "256", "-np", "1") as s:
+        cases = {  # what -> (parts sent, the statuses that say it)
+            "a chunk size line that is not hex": (
+                [post + b"Transfer-Encoding: chunked\r\n\r\nzz\r\n" + body + b"\r\n0\r\n\r\n"], {400}),
+            "a size line that is not hex after a good chunk": (
+                [post + b"Transfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n", b"1x;\r\n}\r\n0\r\n\r\n"], {400, 408}),
+            "a Content-Length that is not a number": ([post + b"Content-Length: abc\r\n\r\n" + body], {400}),
+            "a negative Content-Length": ([post + b"Content-Length: -5\r\n\r\n" + body], {400}),
+            "a Content-Length beyond any integer": (
+                [post + b"Content-Length: 99999999999999999999999999\r\n\r\n" + body], {400, 413}),
+            "a Content-Length over the body limit (64 MiB), its body never sent": (
+                [post + b"Content-Length: 67108865\r\n\r\n" + body], {413}),
+            "a header over the limit": ([post + b"X-Big: " + b"a" * 100_000 + b"\r\n\r\n"], {400, 431}),
+            "a header block of many headers": (
+                [post + b"".join(b"X-%d: %s\r\n" % (i, b"a" * 600) for i in range(200)) + b"\r\n"], {400, 431}),
+            "a request line that is not HTTP": ([b"HELLO THERE\r\n\r\n"], {400}),
+        }
+        for what, (parts, statuses) in cases.items():
+            t0 = time.time()
+            status, answer = raw_http(s.port, *parts)
+            assert status in statuses, (what, answer[:300])
+            assert time.time() - t0 < 30, what  # answered, not left to a client's timeout
+            assert b"Traceback" not in answer, what
+        # a body cut short by a client that goes away: nothing to answer, nothing logged
+        with socket.create_connection(("127.0.0.1", s.port)) as sock:
+            sock.sendall(post + b"Content-Length: 100\r\n\r\n{\"prompt\"")
+        assert s.request("GET", "/health")[0] == 200
+        assert s.client().completions.create(model="any", prompt="a", max_tokens=2).usage.completion_tokens == 2
+        assert s.metric("flexoffload_requests_total") == 1  # none of the malformed ones counted as a request
+        assert s.metric("llamacpp:requests_processing") == 0
+        lines = s.stop()
+    assert "Traceback" not in lines and "Error handling request" not in lines, lines
+
+
+def test_several_hosts_on_one_port(tiny_model):
+    """--host A,B with --port 0: every host listens on the one port the ready line names (and ::1 too where this
+    machine has IPv6 loopback)."""
+    hosts = ["127.0.0.1", "127.0.0.2"]
+    with contextlib.suppress(OSError), socket.socket(socket.AF_INET6) as probe:
+        probe.bind(("::1", 0))
+        hosts.append("::1")
+    with Serving("-m", str(tiny_model), "-c", "256", "-np", "1", "--host", ",".join(hosts)) as s:
+        for host in hosts:
+            conn = http.client.HTTPConnection(host, s.port, timeout=30)
+            conn.request("POST", "/v1/completions", body=json.dumps({"prompt": "a", "max_tokens": 2}))
+            r = conn.getresponse()
+            assert r.status == 200 and json.loads(r.read())["usage"]["completion_tokens"] == 2, host
+            conn.close()
+        s.stop()
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_requests_while_the_model_loads_are_503_loading(slow_model):
+    """The front listens before llama-server has loaded the model: until it has, every request (health, generation,
+    a body that is not even JSON) is llama-server's own 503 "Loading model". llama-server is held stopped (SIGSTOP)
+    while it loads, so the test does not race the load."""
+    s = Serving("-m", str(slow_model), "-c", "256", "-np", "1", port=free_port(), wait=False)
+    with s:
+        deadline = time.time() + 120
+        while (pid := s.llama_server()) is None:
+            assert s.proc.poll() is None and time.time() < deadline, "".join(s.lines)
+            time.sleep(0.005)
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            assert not any("serving" in line for line in s.lines), "llama-server loaded before the test stopped it"
+            for method, path, body in (("GET", "/health", None), ("GET", "/v1/models", None),
+                                       ("POST", "/v1/completions", json.dumps({"prompt": "a"}).encode()),
+                                       ("POST", "/v1/chat/completions", b"not json")):
+                status, answer = s.request(method, path, body)
+                assert status == 503 and answer["error"] == {"code": 503, "message": "Loading model",
+                                                             "type": "unavailable_error"}, (path, answer)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        s.wait_ready()
+        assert s.request("GET", "/health")[0] == 200
+        assert s.client().completions.create(model="any", prompt="a", max_tokens=2).usage.completion_tokens == 2
+        s.stop()
+
+
+def test_sigterm_with_requests_in_flight(slow_model):
+    """SIGTERM while one request streams, one waits in the queue not streamed and one streamed: each gets a clear
+    answer at once (the waiting ones a 503, the stream its end, cut before [DONE]), serve exits 0 and leaves no
+    llama-server, folder or cgroup behind (Serving.stop). On the way: a request without the key is a 401 while the
+    queue is full, not a 503 and not a place in it (the key is checked before a request waits)."""
+    with Serving("-m", str(slow_model), "-c", "1024", "-np", "1", "--queue", "2", "--api-key", "k") as s:
+        key = {"Authorization": "Bearer k"}
+        streaming = http.client.HTTPConnection("127.0.0.1", s.port, timeout=60)
+        streaming.request("POST", "/v1/completions", headers=key, body=json.dumps(
+            {"prompt": "a b c", "max_tokens": 900, "stream": True, "temperature": 0}))
+        stream = streaming.getresponse()
+        assert stream.status == 200 and stream.readline().startswith(b"data: ")
+
+        def waiting(streamed: bool):
+            """(status, text) of a request that waits for the one sequence; (None, why) where it was cut."""
+            conn = http.client.HTTPConnection("127.0.0.1", s.port, timeout=60)
+            try:
+                conn.request("POST", "/v1/completions", headers=key, body=json.dumps(
+                    {"prompt": "x", "max_tokens": 900, "stream": streamed}))
+                r = conn.getresponse()
+                return r.status, r.read().decode()
+            except (ConnectionError, http.client.HTTPException) as e:
+                return None, repr(e)
+            finally:
+                conn.close()
+
+        with ThreadPoolExecutor(2) as pool:
+            answers = [pool.submit(waiting, False), pool.submit(waiting, True)]
+            deadline = time.time() + 30
+            while s.metric("flexoffload_queue_length", key="k") != 2:
+                assert time.time() < deadline, "the two requests did not queue"
+                time.sleep(0.05)
+            status, answer = s.request("POST", "/v1/completions", json.dumps({"prompt": "a"}).encode())
+            assert status == 401 and answer["error"]["type"] == "authentication_error"
+            assert s.metric("flexoffload_requests_total", key="k") == 3
+
+            t0 = time.time()
+            s.proc.send_signal(signal.SIGTERM)
+            for future in answers:
+                status, text = future.result(timeout=30)
+                assert status == 503 and json.loads(text)["error"]["type"] == "unavailable_error", (status, text)
+        rest = b""
+        with contextlib.suppress(ConnectionError, http.client.HTTPException):
+            rest = stream.read()
+        assert b"[DONE]" not in rest  # cut: not a stream that looks complete
+        assert time.time() - t0 < 15
+        lines = s.stop()
+    assert "Traceback" not in lines, lines
+
+
 def test_refusals_before_anything_starts(tiny_model):
     r = cli("serve", "-m", str(tiny_model), "--port", "0", "--", "-c", "64")
     assert r.returncode != 0 and "serve's own" in r.stderr and "Traceback" not in r.stderr
@@ -358,6 +534,14 @@ def test_llama_server_flags_from_the_runs_settings():
     assert server.environment(replace(settings, expert_whole=True))["LLAMA_STREAM_EXPERT_WHOLE"] == "1"
     mmap = server.llama_server_args("/m/model.gguf", Settings(strategy="mmap"), 1, "/s.sock")
     assert "-ot" not in mmap and mmap[mmap.index("-lm") + 1] == "mmap" and server.environment(Settings()) == {}
+
+
+def test_the_front_is_loaded_only_by_serve():
+    """aiohttp (18 MiB of Python's memory) is imported when serve starts, not with runtime.server, which the api (and
+    so every `run`, whose budget counts its process's memory) imports."""
+    code = "import sys, flexoffload.api, flexoffload.runtime.server; print('aiohttp' in sys.modules)"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert r.stdout.strip() == "False"
 
 
 @pytest.mark.integration
