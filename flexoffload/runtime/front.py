@@ -19,14 +19,10 @@ import json
 import logging
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import aiohttp
 from aiohttp import web
 from aiohttp.http import HttpProcessingError
-
-if TYPE_CHECKING:
-    from flexoffload.runtime.server import Listen
 
 # Requests that take a slot while they run (POST): the ones the queue bounds.
 GENERATING = frozenset({
@@ -151,10 +147,11 @@ class Counts:
 
 
 class Front:
-    """The HTTP front before llama-server's unix socket. child (server.Child: its disk reads and memory, for
-    /metrics) is set once llama-server runs; ready once it answers."""
+    """The HTTP front before llama-server's unix socket. listen is server.Listen (hosts, port, api_key, queue; not
+    imported: server imports this module); child (server.Child: its disk reads and memory, for /metrics) is set once
+    llama-server runs; ready once it answers."""
 
-    def __init__(self, socket_path: str, n_parallel: int, listen: Listen, budget: int | None):
+    def __init__(self, socket_path: str, n_parallel: int, listen, budget: int | None):
         self.n_parallel, self.listen, self.budget = n_parallel, listen, budget
         self.child = None
         self.ready = False
