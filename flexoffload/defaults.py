@@ -25,6 +25,10 @@ CHUNK_BYTES = 16 << 20
 # Layers read ahead of compute by the prefetch strategy (FlexInfer's default); plans choose their own.
 WINDOW = 3
 
+# A mixture of experts' expert tensors: read by expert once the router has chosen ("routed": False), whole by the
+# window ("whole": True), or as the plan chooses ("auto": None) (plan/expertcache.py).
+EXPERT_READS = {"auto": None, "routed": False, "whole": True}
+
 # Threads issuing the streamed reads (the runtime's pool, and the disk profile's reads in flight).
 IO_THREADS = 4
 

@@ -2,7 +2,7 @@
 llama.cpp's common/arg.cpp declares each flag once with the tools that take it).
 
 From the one table come:
-- each command's click options (`click_options("run")`), in the table's order;
+- each command's click options (cli/common.py's `click_options("run")`), in the table's order;
 - `Request`, the flat form a run is asked in (the command line's, vLLM's EngineArgs), one field per option;
 - the per-concern configs `Generation`, `Budget`, `Draft`, `Placement`, `Precision` (llama.cpp's nested
   common_params), each with its own `check()`; `Request.concerns()` splits a request into them and `request()`
@@ -19,15 +19,11 @@ import os
 from dataclasses import dataclass, field, make_dataclass
 from typing import Callable
 
-import click
-
 from flexoffload import FlexoffloadError
-from flexoffload.defaults import STRATEGIES
+from flexoffload.defaults import EXPERT_READS, STRATEGIES
 from flexoffload.gguf.catalog import DEFAULT_MODEL
 from flexoffload.native.devices import parse_endpoints
-from flexoffload.plan.expertcache import READS
-from flexoffload.plan.levels import parse as parse_sparsity
-from flexoffload.plan.mixed import check_options as check_precision_options
+from flexoffload.plan import levels, mixed
 from flexoffload.runtime.drafters import DRAFTERS, SPEC_TYPES
 from flexoffload.runtime.engine import KV_TYPES
 from flexoffload.runtime.spectree import MAX_NODES
@@ -46,7 +42,10 @@ class Option:
     help: str = ""
     commands: tuple[str, ...] = ("run",)
     concern: str = "generation"  # generation, budget, draft, placement, precision; "" for the request's own
-    type: object = None  # click's type (None: from the default)
+    type: type | None = None  # the value's type where the default does not say it (None: the default's)
+    choices: tuple[str, ...] | None = None
+    minimum: int | None = None  # a whole number at least this
+    path: str | None = None  # "dir": a folder path (need not exist); "file": an existing file
     is_flag: bool = False
     flag_value: object = None  # a negative flag (--no-pacer) sets False
     metavar: str | None = None
@@ -67,7 +66,7 @@ class Option:
         return self.command_help.get(command, self.help)
 
 
-THREADS = os.cpu_count() or 1
+THEXPERT_READS = os.cpu_count() or 1
 SPEC_HELP = ("free drafters for a speculation tree, a comma list: ngram-simple, ngram-map-k, recycle (no memory but "
              "a table), model (-md, in the tree whenever given); none; auto: with -md model,ngram-simple, without it "
              "ngram-simple,recycle where the plan streams and its pass is disk-bound (docs/speculation.md)")
@@ -90,14 +89,14 @@ OPTIONS: tuple[Option, ...] = (
     Option("n_batch", ("-b", "--batch-size"), 512, "prompt tokens per llama_decode call", STREAMING),
     Option("n_ubatch", ("-ub", "--ubatch-size"), 0,
            "prompt tokens per forward pass [default: -b; under --mem, chosen for a prompt over 256 tokens]",
-           STREAMING, type=click.IntRange(min=0)),
+           STREAMING, minimum=0),
     Option("flash_attn", ("-fa", "--flash-attn"), "auto", "llama.cpp's attention path", STREAMING,
-           type=click.Choice(["on", "off", "auto"])),
+           choices=("on", "off", "auto")),
     Option("cache_type_k", ("-ctk", "--cache-type-k"), "f16", "the KV cache's K type", STREAMING,
-           type=click.Choice(list(KV_TYPES))),
+           choices=tuple(KV_TYPES)),
     Option("cache_type_v", ("-ctv", "--cache-type-v"), "f16", "the KV cache's V type (quantized: with flash "
-           "attention)", STREAMING, type=click.Choice(list(KV_TYPES))),
-    Option("n_threads", ("-t", "--threads"), THREADS, "compute threads", COMMANDS),
+           "attention)", STREAMING, choices=tuple(KV_TYPES)),
+    Option("n_threads", ("-t", "--threads"), THEXPERT_READS, "compute threads", COMMANDS),
     Option("temp", ("--temp",), 0.8, "temperature; 0 is greedy", ("run",)),
     Option("seed", ("--seed",), -1, "sampling seed (-1: random)", ("run",)),
     Option("verbose", ("-v", "--verbose"), False, "show llama.cpp's log", ("run", "serve"), is_flag=True),
@@ -109,16 +108,16 @@ OPTIONS: tuple[Option, ...] = (
     Option("policy", ("--policy",), "balanced", "what stays resident under --mem: balanced, flexinfer, attn-first, "
            "ffn-first, layer", STREAMING, "budget"),
     Option("plan_dir", ("--plan",), None, "stream by a saved plan (flexoffload plan -o DIR)", ("run", "serve"),
-           "budget", type=click.Path(file_okay=False)),
+           "budget", path="dir"),
     Option("window", ("--window",), None, "prefetch window in layers [default: the plan's]", STREAMING, "budget",
-           type=click.IntRange(min=0)),
+           minimum=0),
     Option("io_threads", ("--io-threads",), None, "threads reading streamed weights [default: the plan's, 4]",
-           STREAMING, "budget", type=click.IntRange(min=1)),
+           STREAMING, "budget", minimum=1),
     Option("expert_slots", ("--expert-slots",), None, "a mixture of experts: experts each layer keeps cached "
-           "[default: the plan's]", STREAMING, "budget", type=click.IntRange(min=0)),
+           "[default: the plan's]", STREAMING, "budget", minimum=0),
     Option("expert_reads", ("--expert-reads",), "auto", "a mixture of experts: read the routed experts once the "
            "router has chosen, or the expert tensors whole ahead of compute (faster where a token uses a large share "
-           "of them); auto: the plan's", STREAMING, "budget", type=click.Choice(list(READS))),
+           "of them); auto: the plan's", STREAMING, "budget", choices=tuple(EXPERT_READS)),
     Option("tuned", ("--tuned/--untuned",), True, "stream by the plan `plan --tune` made for this model, budget and "
            "-c/-b, where there is one", ("run", "serve"), "budget"),
     Option("move_back", (), True, "after the prompt, the compute buffers' memory goes to weights (False: an "
@@ -132,7 +131,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("draft_p_split", ("--draft-p-split",), 0.3, "a draft candidate this likely opens a branch",
            ("run",), "draft", key="p_split"),
     Option("spec", ("--spec",), "tree", "speculation shape: a token tree, or a linear chain", ("run",), "draft",
-           type=click.Choice(["tree", "chain"])),
+           choices=("tree", "chain")),
     Option("pacer", ("--no-pacer",), True, "grow branches in turn, not by confidence (ablation)", ("run",),
            "draft", is_flag=True, flag_value=False),
     Option("adaptive", ("--no-adaptive",), True, "verify only at the node budget, not on low confidence "
@@ -151,13 +150,13 @@ OPTIONS: tuple[Option, ...] = (
            "placed now with --mem (cpu=SIZE,rpc0=SIZE,...)", STREAMING, "placement",
            metavar="HOST:PORT,..."),
     Option("n_gpu_layers", ("-ngl", "--n-gpu-layers"), 0, "with --rpc: the last layers to offload to the servers, "
-           "each with its KV cache (llama.cpp's -ngl)", ("run", "serve"), "placement", type=click.IntRange(min=0)),
+           "each with its KV cache (llama.cpp's -ngl)", ("run", "serve"), "placement", minimum=0),
     Option("placement", ("--placement",), "auto", "with --rpc and --mem: how weights are placed across the "
-           "devices", STREAMING, "placement", type=click.Choice(PLACEMENTS), key="policy"),
+           "devices", STREAMING, "placement", choices=tuple(PLACEMENTS), key="policy"),
     # precision: lowered types, predicted neurons
     Option("precision", ("--precision",), None, "with --mem: lower some tensors' types where it costs the least "
            "quality per byte saved (profile --precision measures it) [default: the file's own types]",
-           ("run", "plan"), "precision", type=click.Choice(["auto"]), key="mode"),
+           ("run", "plan"), "precision", choices=("auto",), key="mode"),
     Option("max_kld", ("--max-kld",), None, "with --precision auto: the fastest plan whose summed KL divergence is "
            "at most this; with --sparsity auto: the fewest neuron groups within it [0.05]", ("run", "plan"),
            "precision", type=float),
@@ -165,7 +164,7 @@ OPTIONS: tuple[Option, ...] = (
            "predicted tok/s", ("run", "plan"), "precision", type=float),
     Option("original", ("--original",), None, "with --precision auto: the model's original F16/BF16 weights, "
            "quantized from instead of requantizing the file (a second rounding loses more)", ("run", "plan"),
-           "precision", type=click.Path(exists=True, dir_okay=False), metavar="GGUF"),
+           "precision", path="file", metavar="GGUF"),
     Option("sparsity", ("--sparsity",), None, "predicted neurons: each FFN's hot neurons and the K of its groups a "
            "predictor picks (auto: the fewest within --max-kld, where that is predicted faster than the dense "
            "model); profile --neurons measures them [default: dense]", ("run",), "precision", metavar="auto|K"),
@@ -173,28 +172,6 @@ OPTIONS: tuple[Option, ...] = (
 
 BY_NAME = {o.name: o for o in OPTIONS}
 CONCERNS = ("generation", "budget", "draft", "placement", "precision")
-
-
-def click_options(command: str) -> Callable:
-    """A decorator giving a click command every option the table gives it, in the table's order; each keeps its
-    Request field's name as its parameter."""
-    def decorate(f):
-        for o in reversed([o for o in OPTIONS if command in o.commands and o.flags]):
-            default = o.default_for(command)
-            kwargs = dict(help=o.help_for(command), default=default, required=command in o.required_by)
-            if o.flag_value is not None:
-                kwargs.update(flag_value=o.flag_value, default=default)
-            elif o.is_flag:
-                kwargs.update(is_flag=True)
-            elif o.type is not None:
-                kwargs.update(type=o.type)
-            if o.metavar:
-                kwargs["metavar"] = o.metavar
-            if default is not None and not o.is_flag and o.name != "model":
-                kwargs["show_default"] = True
-            f = click.option(*o.flags, o.name, **kwargs)(f)
-        return f
-    return decorate
 
 
 def request_fields(params: dict) -> dict:
@@ -224,8 +201,8 @@ def _check_budget(b) -> None:
         raise FlexoffloadError("--window does not apply to sync: it reads each tensor when compute needs it")
     if b.strategy == "mmap" and (b.window is not None or b.io_threads is not None or b.plan_dir):
         raise FlexoffloadError("--window, --io-threads and --plan stream weights: not with --strategy mmap")
-    if b.expert_reads not in READS:
-        raise FlexoffloadError(f"unknown expert reads {b.expert_reads!r}: one of {', '.join(READS)}")
+    if b.expert_reads not in EXPERT_READS:
+        raise FlexoffloadError(f"unknown expert reads {b.expert_reads!r}: one of {', '.join(EXPERT_READS)}")
 
 
 def spec_types(value: str | None, draft: str | None) -> list[str]:
@@ -269,12 +246,12 @@ def _check_precision(q) -> None:
     if q.mode not in (None, "auto"):
         raise FlexoffloadError(f"--precision takes auto (the file's own types: leave it out), not {q.mode}")
     if q.sparsity is not None:
-        if parse_sparsity(q.sparsity) != "auto" and q.max_kld is not None:
+        if levels.parse(q.sparsity) != "auto" and q.max_kld is not None:
             raise FlexoffloadError("--max-kld goes with --sparsity auto (or --precision auto)")
         if q.min_tok_s is not None or q.original:
             raise FlexoffloadError("--min-tok-s and --original go with --precision auto")
     else:
-        check_precision_options(q.mode, q.max_kld, q.min_tok_s, q.original)
+        mixed.check_options(q.mode, q.max_kld, q.min_tok_s, q.original)
 
 
 _CHECKS = {"generation": _check_generation, "budget": _check_budget, "draft": _check_draft,

@@ -154,15 +154,15 @@ def test_merge_takes_the_most_confident_nodes_with_their_parents_under_the_budge
 
 
 def test_spec_types_are_checked():
-    from flexoffload import FlexoffloadError, api
+    from flexoffload import FlexoffloadError, options
 
-    assert api._free_types(api.Request(spec_type="ngram-simple,recycle")) == ["ngram-simple", "recycle"]
-    assert api._free_types(api.Request(spec_type="auto")) == ["auto"]
-    assert api._free_types(api.Request(spec_type="none")) == []
-    assert api._free_types(api.Request(spec_type="model,recycle", draft="x")) == ["recycle"]
+    assert options.spec_types("ngram-simple,recycle", None) == ["ngram-simple", "recycle"]
+    assert options.spec_types("auto", None) == ["auto"]
+    assert options.spec_types("none", None) == []
+    assert options.spec_types("model,recycle", "x") == ["recycle"]
     for bad in ("ngram-cache", "auto,recycle", "model", "layers", "recycle,layers"):
         with pytest.raises(FlexoffloadError):
-            api._free_types(api.Request(spec_type=bad))
+            options.spec_types(bad, None)
 
 
 # --- on the native library --------------------------------------------------------------------------------------

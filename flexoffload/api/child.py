@@ -9,8 +9,8 @@ import sys
 from pathlib import Path
 
 from flexoffload import FlexoffloadError, native
-from flexoffload.api.execute import run_prepared
-from flexoffload.api.prepare import Prepared
+from flexoffload.api.running import run_prepared
+from flexoffload.api.prepared import Prepared
 
 
 def main() -> None:

@@ -8,14 +8,13 @@ from __future__ import annotations
 from pathlib import Path
 
 from flexoffload import FlexoffloadError
-from flexoffload.defaults import IO_THREADS, WINDOW
+from flexoffload.defaults import EXPERT_READS, IO_THREADS, WINDOW
 from flexoffload.measure import dryrun, probe, profiler, servers, tracing, tuning
 from flexoffload.memory import budgets, stepmem
 from flexoffload.memory.budgets import format_size
 from flexoffload.memory.footprint import KERNEL_FIXED, MARGIN, smallest_budget
 from flexoffload.native import devices
 from flexoffload.plan import costmodel, placement, plans, replay
-from flexoffload.plan.expertcache import READS
 from flexoffload.plan.planners import check_budget, make_plan, plan_budget
 
 MMAP_TIE = 0.02  # mmap runs where predicted within this of the plan: the cost model's resolution
@@ -36,7 +35,7 @@ def step_setting(r, n_outputs: int = 1) -> stepmem.Setting | None:
 
 def expert_whole(r) -> bool | None:
     """--expert-reads as the planner takes it: True whole, False routed, None the plan's choice."""
-    return READS[r.expert_reads]
+    return EXPERT_READS[r.expert_reads]
 
 
 def expert_misses(model):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import replace
 from pathlib import Path
 
 from flexoffload import FlexoffloadError, options
@@ -26,74 +26,12 @@ from flexoffload.plan import levels, placers, plans, prefill
 from flexoffload.runtime import engine, spectree
 from flexoffload.runtime.engine import count_tokens
 from flexoffload.api import drafting
+from flexoffload.api.prepared import DECISION_FILE, Prepared
 from flexoffload.api.planning import mmap_instead, plan_for_run, step_setting
 
 LONG_PROMPT = 256  # tokens: a prompt longer than this has its prefill's ubatch chosen (plan/prefill.py)
-DECISION_FILE = "run.json"  # beside a plan's files: what else `plan -o` decided (drafting, ubatch)
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class Prepared:
-    """A request ready to load: the request as given, and what was decided for it."""
-    request: options.Request  # as the user gave it
-    model: Model  # the file run (a precision plan's or a sparsity level's file, or the one named)
-    limit: int | None  # the budget in bytes
-    plan: plans.Plan | None  # None: mmap, or every weight resident
-    settings: engine.Settings  # what the runtime loads by
-    draft: str | None = None  # a resident draft model's path
-    draft_bytes: int = 0  # what the draft and the free drafters' tables take out of the budget
-    free: tuple[str, ...] = ()  # the free drafters run
-    tree: spectree.Options | None = None  # set where the run speculates
-    store: str | None = None  # where Token Recycling's table outlives the run
-    decode_tok_s: float = 0.0  # decode's predicted speed with resident_after_prefill (0: the plan's)
-    notes: list[str] = field(default_factory=list)  # what the caller should tell the user (stderr)
-    mmap_plan: plans.Plan | None = None  # where mmap was chosen over a plan: that choice as a plan (policy mmap)
-
-    @property
-    def strategy(self) -> str:
-        return self.settings.strategy
-
-    @property
-    def spec_type(self) -> str:
-        """The speculation run, as --spec-type names it ("none": the target alone)."""
-        return ",".join((["model"] if self.draft else []) + list(self.free)) or "none"
-
-    def to_json(self) -> str:
-        """The Prepared for a child process: everything it needs to run without preparing again."""
-        return json.dumps({"request": asdict(self.request), "model": str(self.model.path), "limit": self.limit,
-                           "plan": self.plan.to_dict() if self.plan else None, "settings": asdict(self.settings),
-                           "draft": self.draft, "draft_bytes": self.draft_bytes, "free": list(self.free),
-                           "tree": asdict(self.tree) if self.tree else None, "store": self.store,
-                           "decode_tok_s": self.decode_tok_s, "notes": self.notes,
-                           "mmap_plan": self.mmap_plan.to_dict() if self.mmap_plan else None})
-
-    @classmethod
-    def from_json(cls, text: str) -> "Prepared":
-        d = json.loads(text)
-        settings = {f.name: d["settings"][f.name] for f in fields(engine.Settings) if f.name in d["settings"]}
-        for name, value in settings.items():  # JSON has lists where Settings has tuples
-            if isinstance(value, list):
-                settings[name] = tuple(tuple(v) if isinstance(v, list) else v for v in value)
-        return cls(options.Request(**d["request"]), load(d["model"]), d["limit"],
-                   plans.Plan.from_dict(d["plan"]) if d["plan"] else None, engine.Settings(**settings), d["draft"],
-                   d["draft_bytes"], tuple(d["free"]), spectree.Options(**d["tree"]) if d["tree"] else None,
-                   d["store"], d["decode_tok_s"], d["notes"],
-                   plans.Plan.from_dict(d["mmap_plan"]) if d.get("mmap_plan") else None)
-
-    def write(self, directory) -> Path:
-        """The plan's files (tensors.ot, plan.json) and the drafting and ubatch decided beside them (run.json):
-        `run --plan DIRECTORY` runs what this Prepared would (mmap chosen at this budget: a plan of policy mmap)."""
-        plan = self.plan or self.mmap_plan
-        if plan is None:
-            raise FlexoffloadError("without a budget every weight stays resident: there is no plan to write (give "
-                                   "--mem)")
-        directory = plans.write(plan, directory)
-        decided = {"draft": self.draft, "free": list(self.free), "n_ubatch": self.settings.n_ubatch,
-                   "n_batch": self.settings.n_batch, "flash_attn": self.settings.flash_attn}
-        (directory / DECISION_FILE).write_text(json.dumps(decided, indent=1) + "\n")
-        return directory
 
 
 # --- the steps ---------------------------------------------------------------------------------------------------

@@ -1,5 +1,6 @@
 """Running a Prepared: in this process (`run_prepared`), or in a child held to the budget by a memory cgroup
-(`run_in_cgroup`: the child receives the Prepared as JSON and runs it without preparing again); and `serve`.
+(`run_in_cgroup`: the child receives the Prepared as JSON and runs it without preparing again). The child imports
+this module: what it imports is memory the budget holds (the footprint probe measures it).
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ from flexoffload.memory import budgets
 from flexoffload.memory.budgets import MiB, format_size
 from flexoffload.native import devices
 from flexoffload.plan import plans
-from flexoffload.runtime import chat, engine, server, speculate
-from flexoffload.api.prepare import Prepared, prepare
+from flexoffload.runtime import chat, engine, speculate
+from flexoffload.api.prepared import Prepared
 
 log = logging.getLogger(__name__)
 
@@ -147,18 +148,3 @@ def execute(p: Prepared, on_text=None, enforce: bool = False, timeout: float | N
     result = run_in_cgroup(p, cgroup_limit or p.limit, stream_text=on_text is not None, timeout=timeout)
     result["budget_mb"] = p.limit / MiB
     return result
-
-
-def serve(request, n_parallel: int, listen, enforce: bool = False, extra: tuple[str, ...] = (), on_ready=None):
-    """`flexoffload serve`: llama-server for n_parallel sequences, prepared and planned as `run` is (the plan for that
-    many sequences, the same settings, cgroup and page-cache handling), behind the front (runtime/server.py:
-    listen is its Listen), until SIGINT or SIGTERM. on_ready(port, load_s, prepared, enforced) once it answers;
-    returns server.Served."""
-    from dataclasses import replace
-
-    p = prepare(replace(request, prompt=request.prompt or " "), n_seq_max=n_parallel)  # a server has no prompt
-    tell(p.notes)
-    limit = p.limit if enforce and enforceable(p) else None
-    ready = (lambda port, load_s: on_ready(port, load_s, p, limit is not None)) if on_ready else None
-    return server.serve(str(p.model.path), p.settings, n_parallel, listen, limit, p.limit, extra,
-                        lambda line: tell([line]), ready)

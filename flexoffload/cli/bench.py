@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import click
 
-from flexoffload import options
-from flexoffload.cli.common import _errors_as_one_line
+from flexoffload.cli.common import _errors_as_one_line, click_options
 
 
 @click.command()
-@options.click_options("bench")
+@click_options("bench")
 @click.option("--mem", "mems", required=True, help="comma-separated budgets: 400M,0.5x,1.0x")
 @click.option("--strategies", default="mmap", show_default=True, help="comma-separated strategies")
 @click.option("-r", "--repetitions", default=3, show_default=True)

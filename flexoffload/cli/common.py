@@ -1,4 +1,5 @@
-"""What several commands share: the one-line error, the prompt read as llama.cpp reads it, and a run's report."""
+"""What several commands share: the options table as click options, the one-line error, the prompt read as llama.cpp
+reads it, and a run's report."""
 
 from __future__ import annotations
 
@@ -9,7 +10,42 @@ from pathlib import Path
 
 import click
 
-from flexoffload import FlexoffloadError
+from flexoffload import FlexoffloadError, options
+
+
+def _click_type(o: options.Option):
+    """The click type of a table option (None: click's from the default)."""
+    if o.choices is not None:
+        return click.Choice(list(o.choices))
+    if o.minimum is not None:
+        return click.IntRange(min=o.minimum)
+    if o.path == "dir":
+        return click.Path(file_okay=False)
+    if o.path == "file":
+        return click.Path(exists=True, dir_okay=False)
+    return o.type
+
+
+def click_options(command: str):
+    """A decorator giving a click command every option options.OPTIONS gives it, in the table's order; each keeps its
+    Request field's name as its parameter."""
+    def decorate(f):
+        for o in reversed([o for o in options.OPTIONS if command in o.commands and o.flags]):
+            default = o.default_for(command)
+            kwargs = dict(help=o.help_for(command), default=default, required=command in o.required_by)
+            if o.flag_value is not None:
+                kwargs.update(flag_value=o.flag_value)
+            elif o.is_flag:
+                kwargs.update(is_flag=True)
+            elif _click_type(o) is not None:
+                kwargs.update(type=_click_type(o))
+            if o.metavar:
+                kwargs["metavar"] = o.metavar
+            if default is not None and not o.is_flag and o.name != "model":
+                kwargs["show_default"] = True
+            f = click.option(*o.flags, o.name, **kwargs)(f)
+        return f
+    return decorate
 
 
 def _errors_as_one_line(f):

@@ -12,7 +12,7 @@ import click
 
 from flexoffload import FlexoffloadError
 from flexoffload import options
-from flexoffload.cli.common import _errors_as_one_line
+from flexoffload.cli.common import _errors_as_one_line, click_options
 from flexoffload.measure import tuning
 from flexoffload.plan import plans
 from flexoffload.gguf import catalog
@@ -126,7 +126,7 @@ def _plan_precision(model, budget, profile, ctx_size, batch_size, threads, io_th
 
 
 @click.command()
-@options.click_options("plan")
+@click_options("plan")
 @click.option("-o", "--output", "out_dir", type=click.Path(file_okay=False),
               help="directory for tensors.ot, plan.json and run.json (what run --plan DIR then runs)")
 @click.option("--tune", "tune_best", type=int, default=None, is_flag=False, flag_value=3, metavar="[N]",

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import click
 
-from flexoffload import FlexoffloadError, options
-from flexoffload.cli.common import _errors_as_one_line
+from flexoffload import FlexoffloadError
+from flexoffload.cli.common import _errors_as_one_line, click_options
 from flexoffload.gguf import catalog
 from flexoffload.plan.qtypes import LADDER
 
@@ -155,7 +155,7 @@ def _profile_neurons(model, threads: int, n_group: int | None, levels: str | Non
 
 
 @click.command()
-@options.click_options("profile")
+@click_options("profile")
 @click.option("--remeasure", is_flag=True, help="measure again even if a profile is cached")
 @click.option("--ops", is_flag=True,
               help="time every weight's operator (MUL_MAT, GET_ROWS) for a decoded token and a prompt ubatch")

@@ -8,7 +8,7 @@ import sys
 import click
 
 from flexoffload import FlexoffloadError, options
-from flexoffload.cli.common import _errors_as_one_line, _read_prompt, _report
+from flexoffload.cli.common import _errors_as_one_line, click_options, _read_prompt, _report
 
 RUN_ONLY = ("prompt_file", "enforce", "as_json", "system_prompt", "text")  # run's own flags, not Request fields
 
@@ -43,7 +43,7 @@ def _request(params: dict, ctx: click.Context):
 @click.option("-p", "--prompt", "text", help="prompt text")
 @click.option("-f", "--file", "prompt_file", metavar="FILE", help="read the prompt from FILE")
 @click.option("--enforce", is_flag=True, help="hold the run to --mem with a memory cgroup and report its peak")
-@options.click_options("run")
+@click_options("run")
 @click.option("-sys", "--system-prompt", "system_prompt", metavar="TEXT", help="with -cnv: the system message")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object instead of text and timings")
 @_errors_as_one_line

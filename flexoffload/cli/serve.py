@@ -6,7 +6,7 @@ from __future__ import annotations
 import click
 
 from flexoffload import options
-from flexoffload.cli.common import _errors_as_one_line
+from flexoffload.cli.common import _errors_as_one_line, click_options
 
 
 @click.command()
@@ -18,7 +18,7 @@ from flexoffload.cli.common import _errors_as_one_line
 @click.option("--api-key", envvar="FLEXOFFLOAD_API_KEY", show_envvar=True, default=None,
               help="every endpoint but /health needs `Authorization: Bearer KEY`")
 @click.option("--queue", default=32, show_default=True, help="requests that may wait for a sequence; beyond, 503")
-@options.click_options("serve")
+@click_options("serve")
 @click.argument("llama_args", nargs=-1, type=click.UNPROCESSED, metavar="[-- LLAMA_SERVER_FLAGS...]")
 @_errors_as_one_line
 def serve(enforce, n_parallel, host, port, api_key, queue, llama_args, **params):

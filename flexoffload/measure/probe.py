@@ -32,10 +32,11 @@ from flexoffload.defaults import cache_dir, file_key, write_atomic
 from flexoffload.memory.budgets import MiB
 from flexoffload.memory.footprint import Footprint
 
-# The probe's process is a run's: it loads what an enforced run's child (`python -m flexoffload.api`) has loaded by
-# the time llama.cpp loads the model (by name, as `python -m` does), so the runtime it measures is a run's.
-RUN_MODULES = ("flexoffload.api", "flexoffload.plan.planners", "flexoffload.measure.profiler", "flexoffload.plan.plans",
-               "flexoffload.runtime.drafters")  # (v4: the drafters, which a run's request check reads)
+# The probe's process is a run's: it loads what an enforced run's child (`python -m flexoffload.api`, api/child.py)
+# has loaded by the time llama.cpp loads the model (by name, as `python -m` does), so the runtime it measures is a
+# run's. (v5: the child runs the parent's Prepared; it no longer prepares)
+RUN_MODULES = ("flexoffload.api.child", "flexoffload.plan.planners", "flexoffload.measure.profiler",
+               "flexoffload.plan.plans", "flexoffload.runtime.drafters")
 PYTHON_ARENA = 1 << 20  # obmalloc's arena (Python 3.10 on)
 
 # "llama_kv_cache:        CPU KV buffer size =    28.00 MiB" (one line per cache: an ISWA model has two),
@@ -52,7 +53,7 @@ _SIZES = {
 
 
 def _cache_path(model, n_ctx: int, n_batch: int, n_outputs: int, n_seq_max: int) -> Path:
-    key = f"{file_key(model.path)}-c{n_ctx}-b{n_batch}-o{n_outputs}-s{n_seq_max}-v4"
+    key = f"{file_key(model.path)}-c{n_ctx}-b{n_batch}-o{n_outputs}-s{n_seq_max}-v5"
     return cache_dir() / "footprints" / f"{key}.json"
 
 

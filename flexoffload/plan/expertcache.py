@@ -20,9 +20,6 @@ from flexoffload.gguf.model import Model
 from flexoffload.plan import replay
 from flexoffload.plan.costmodel import Profile
 
-# how expert tensors are read (run --expert-reads) -> make_plan's `whole`: the plan's choice, by expert, whole
-READS = {"auto": None, "routed": False, "whole": True}
-
 MissesBySlots = Callable[[int], replay.Misses]  # slots per layer -> what a cache of that many misses, by layer
 
 

@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # scripts/, for
 
 from flexoffload import api  # noqa: E402
 from flexoffload.gguf import catalog  # noqa: E402
+from flexoffload.runtime import engine  # noqa: E402
 from flexoffload.measure.dryrun import run_costs  # noqa: E402
 from flexoffload.memory import stepmem  # noqa: E402
 from flexoffload.memory import budgets  # noqa: E402
@@ -168,7 +169,7 @@ def chosen(opts) -> None:
             try:
                 prepared = api.prepare(request)
                 u = prepared.settings.n_ubatch
-                _, _, first = ubatches.choose(model, limit, api._check_prompt_length(model, request), 16, n_ctx,
+                _, _, first = ubatches.choose(model, limit, engine.count_tokens(str(model.path), request.prompt), 16, n_ctx,
                                              "balanced", profiler.measure(model, 2), 2, 4)
                 row.update(n_ubatch=u, predicted_ttft_s=round(first, 2),
                            predicted_tok_s=round(prepared.plan.predicted_tok_s, 2))

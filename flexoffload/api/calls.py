@@ -1,0 +1,88 @@
+"""The API's calls: load a model's table, plan, generate, tune, trace experts (api/__init__.py exports them)."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import replace
+
+import flexoffload.gguf.model
+from flexoffload import options
+from flexoffload.gguf import catalog
+from flexoffload.measure import probe, profiler, tracing, tuning
+from flexoffload.memory import budgets
+from flexoffload.options import Budget, Draft, Generation, Placement, Precision, Request, request
+from flexoffload.plan import replay
+from flexoffload.plan.costmodel import compute_seconds
+from flexoffload.api.running import execute, run_in_cgroup
+from flexoffload.api.preparing import prepare
+
+
+def load(model=None):
+    """The model's tensor table (gguf.model.Model), read without loading weights: a GGUF path or a catalog name
+    (None: the default model)."""
+    return flexoffload.gguf.model.load(catalog.resolve(model))
+
+
+def plan(model, budget: Budget, generation: Generation = Generation(), draft: Draft | None = None,
+         placement: Placement = Placement(), precision: Precision | None = None, prompt: str = " "):
+    """The plan a run of model would stream by under the budget (plan.plans.Plan; None where it would not stream:
+    mmap, or everything resident), decided as generate decides it. Save it with plan.write(DIRECTORY) and give it
+    back to generate (plan=) or to `flexoffload run --plan DIRECTORY`."""
+    return prepare(request(model, prompt, generation, budget, draft, placement, precision)).plan
+
+
+def generate(model, prompt: str | None = None, generation: Generation = Generation(), budget: Budget = Budget(),
+             draft: Draft | None = None, placement: Placement = Placement(), precision: Precision | None = None,
+             plan=None, on_text=None, enforce: bool = False, timeout: float | None = None,
+             cgroup_limit: int | None = None) -> dict:
+    """Generate from prompt with model under the budget; the result as a dict (text, tokens, decode_tok_s,
+    ttft_s, peak_mem_mb, the plan's prediction, ...). plan: a Plan to stream by (api.plan's, or plans.read's).
+    enforce: in a child process held to the budget by a memory cgroup (where none can be made, the user is told and
+    the run goes unenforced); cgroup_limit: the cgroup's limit instead of the budget. on_text: called with each
+    piece of text as it comes. What the user is told goes to the "flexoffload" logger (the CLI prints it).
+    generate(Request, ...) is the flat form."""
+    run = dict(on_text=on_text, enforce=enforce, timeout=timeout, cgroup_limit=cgroup_limit)
+    if isinstance(model, Request):
+        return execute(prepare(model), **run)
+    if plan is None:
+        return execute(prepare(request(model, prompt or "", generation, budget, draft, placement, precision)), **run)
+    with tempfile.TemporaryDirectory(prefix="flexoffload-plan-") as directory:  # a run streams by a plan's files
+        plan.write(directory)
+        budget = replace(budget, plan_dir=directory)
+        return execute(prepare(request(model, prompt or "", generation, budget, draft, placement, precision)), **run)
+
+
+def tune(model, budget: int, profile, n_ctx: int = 2048, n_batch: int = 512, n_best: int = 3, rounds: int = 2,
+         n_predict: int = 8):
+    """plan --tune (measure/tuning.py): the candidate plans each run cold under the enforced budget, in turn."""
+
+    def timed(how: dict) -> float:
+        prepared = prepare(Request(model=str(model.path), prompt=tuning.PROMPT, n_predict=n_predict, n_ctx=n_ctx,
+                                   n_batch=n_batch, temp=0, mem=str(budget), spec_type="none", **how))
+        budgets.drop_page_cache()
+        return run_in_cgroup(prepared, budget, timeout=900)["decode_tok_s"]
+
+    return tuning.tune(model, budget, profile, probe.measure(model, n_ctx, n_batch), timed, n_ctx, n_batch,
+                       n_best, rounds)
+
+
+def experts(model, slots: list[int] | None = None, text: str | None = None, n_threads: int | None = None,
+            batch: int = 512, remeasure: bool = False) -> dict:
+    """profile --experts: the experts a text routes to (measure/tracing.py; None: the HumanEval tuning problems;
+    measured once, cached) replayed through an expert cache of each slot count and policy (plan/replay.py)."""
+    n_threads = n_threads or os.cpu_count() or 1
+    trace = tracing.trace(model, text, n_threads, remeasure=remeasure)
+    replay.check(model, trace)
+    profile = profiler.measure(model, n_threads)
+    slots = replay.default_slots(model) if slots is None else slots
+    return {"model": str(model.path), "name": model.name, "source": trace.source, "tokens": trace.n_tokens,
+            "n_layer": model.n_layer, "n_expert": model.n_expert, "n_used": model.n_expert_used,
+            "unit_bytes": replay.unit_bytes(model), "disk_bw": profile.disk_bw,
+            "resident_tok_s": 1.0 / compute_seconds(model, profile),
+            "rows": replay.table(model, trace, slots, profile, batch)}
+
+
+def check(r: Request) -> None:
+    """A request's options checked (options.check): a one-line FlexoffloadError, before anything is read."""
+    options.check(r)

@@ -1,0 +1,22 @@
+"""`flexoffload serve` through the API: prepared and planned as `run` is, then llama-server behind the front."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from flexoffload.runtime import server
+from flexoffload.api.running import enforceable, tell
+from flexoffload.api.preparing import prepare
+
+
+def serve(request, n_parallel: int, listen, enforce: bool = False, extra: tuple[str, ...] = (), on_ready=None):
+    """`flexoffload serve`: llama-server for n_parallel sequences, prepared and planned as `run` is (the plan for that
+    many sequences, the same settings, cgroup and page-cache handling), behind the front (runtime/server.py:
+    listen is its Listen), until SIGINT or SIGTERM. on_ready(port, load_s, prepared, enforced) once it answers;
+    returns server.Served."""
+    p = prepare(replace(request, prompt=request.prompt or " "), n_seq_max=n_parallel)  # a server has no prompt
+    tell(p.notes)
+    limit = p.limit if enforce and enforceable(p) else None
+    ready = (lambda port, load_s: on_ready(port, load_s, p, limit is not None)) if on_ready else None
+    return server.serve(str(p.model.path), p.settings, n_parallel, listen, limit, p.limit, extra,
+                        lambda line: tell([line]), ready)
