@@ -55,7 +55,8 @@ def test_mmap_runs_where_the_cost_model_predicts_it_as_fast(tmp_path, monkeypatc
 
     shape = synth.Shape(n_layer=4, n_embd=512, n_ff=1536, n_head=8, n_head_kv=2, n_vocab=1024, n_ctx_train=512)
     path = synth.write(tmp_path / "four.gguf", shape, "F32")
-    request = api.Request(model=str(path), prompt="a b c", n_predict=4, temp=0, mem="4x", n_ctx=256, n_batch=64)
+    request = api.Request(model=str(path), prompt="a b c", n_predict=4, temp=0, mem="4x", n_ctx=256, n_batch=64,
+                          spec_type="none")  # the strategy alone: no drafters deciding beside it
     roomy = api.prepare(request)
     assert roomy.strategy == "mmap" and roomy.plan is None and "predicted as fast" in roomy.notes[0]
     monkeypatch.setitem(planners.POLICIES, "balanced", planners.POLICIES["none"])

@@ -15,7 +15,7 @@ from flexoffload.defaults import cache_dir, file_key
 from flexoffload.measure import probe, profiler, tuning
 from flexoffload.options import spec_types
 from flexoffload.plan import plans
-from flexoffload.plan.costmodel import compute_seconds
+from flexoffload.plan import costmodel
 from flexoffload.plan.planners import resident_bytes
 from flexoffload.runtime import drafters, spectree, speculate
 from flexoffload.api.planning import kv_quantized, plan_for_run
@@ -52,7 +52,7 @@ def free_pays(model, r, limit: int | None) -> bool:
     alone = plan_for_run(model, r, limit)
     if alone is None or alone.policy == tuning.MMAP or not plans.streamed_bytes(alone, model):
         return False
-    return 1 / alone.predicted_tok_s > FREE_PAYS * compute_seconds(model, profiler.measure(model, r.n_threads))
+    return 1 / alone.predicted_tok_s > FREE_PAYS * costmodel.compute_seconds(model, profiler.measure(model, r.n_threads))
 
 
 def free(model, r, limit: int | None, notes: list[str]) -> Drafting:
@@ -107,8 +107,8 @@ def with_model(model, draft_model, r, limit: int | None, notes: list[str]) -> Dr
     if plan is None or limit is None or r.plan_dir or r.draft_always:
         return speculating
     alone = plan_for_run(model, r, limit)
-    draft_token_s = compute_seconds(draft_model, profiler.measure(draft_model, r.n_threads))
-    target_token_s = compute_seconds(model, profiler.measure(model, r.n_threads))
+    draft_token_s = costmodel.compute_seconds(draft_model, profiler.measure(draft_model, r.n_threads))
+    target_token_s = costmodel.compute_seconds(model, profiler.measure(model, r.n_threads))
     predicted = spectree.predicted_tok_s(1 / plan.predicted_tok_s, draft_token_s, target_token_s)
     if alone.predicted_tok_s <= predicted:
         return speculating
@@ -132,7 +132,7 @@ def tree_options(r, model, plan) -> spectree.Options:
     node_s, hidden = 0.0, 0
     if plan is not None and plan.predicted_tok_s:
         node_s, hidden = spectree.node_costs(1 / plan.predicted_tok_s,
-                                             compute_seconds(model, profiler.measure(model, r.n_threads)))
+                                             costmodel.compute_seconds(model, profiler.measure(model, r.n_threads)))
     return spectree.Options(tree=r.spec == "tree", pacer=r.pacer, adaptive=r.adaptive,
                             adaptive_split=r.adaptive_split, pipeline=r.pipeline, tiled=r.tiled_verify,
                             threshold=r.draft_p_split, max_nodes=r.draft_max, node_s=node_s, hidden_nodes=hidden)
