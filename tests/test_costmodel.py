@@ -5,7 +5,8 @@ import pytest
 
 from flexoffload.plan import costmodel
 from flexoffload.gguf import synth
-from flexoffload.plan.costmodel import Pipeline, Profile, Stage, simulate, window_bytes_of
+from flexoffload.plan.costmodel import Pipeline, Profile, window_bytes_of
+from flexoffload.plan.pipeline import Stage, simulate
 from flexoffload.gguf.model import load
 from flexoffload.plan.planners import always_resident
 

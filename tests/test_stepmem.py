@@ -112,12 +112,13 @@ def test_a_prompt_too_long_is_refused_before_loading(qwen2, tmp_path):
 
 
 def test_a_long_prompt_gets_its_ubatch_chosen_and_the_same_tokens(qwen2, monkeypatch):
+    from flexoffload.api import preparing
     from flexoffload.measure import ubatches
 
-    monkeypatch.setattr(api, "LONG_PROMPT", 32)
+    monkeypatch.setattr(preparing, "LONG_PROMPT", 32)
     prompt = " ".join(f"w{i}" for i in range(150))
     request = api.Request(model=str(qwen2.path), prompt=prompt, n_predict=6, temp=0, n_ctx=512, n_batch=64,
-                          mem="60M", strategy="stream")
+                          mem="60M", strategy="stream", spec_type="none")
     prepared = api.prepare(request)
     u = prepared.settings.n_ubatch
     assert u in stepmem.UBATCHES and prepared.settings.n_batch >= u and prepared.settings.flash_attn == "on"

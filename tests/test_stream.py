@@ -67,7 +67,8 @@ def test_every_policy_matches_mmap_under_a_budget(streamable_model, policy):
 
 def test_saved_plan_runs_and_matches(streamable_model, tmp_path):
     plan_dir = tmp_path / "plan"
-    cli("plan", "-m", str(streamable_model), "--mem", "200M", "-c", "512", "-o", str(plan_dir), check=True)
+    cli("plan", "-m", str(streamable_model), "--mem", "200M", "--strategy", "stream", "-c", "512", "-o", str(plan_dir),
+        check=True)
     base = run_json(streamable_model, "a b c", 8, "--strategy", "mmap")
     out = run_json(streamable_model, "a b c", 8, "--plan", str(plan_dir))
     assert out["tokens"] == base["tokens"] and out["strategy"] == "stream"

@@ -140,7 +140,7 @@ def tune(model, budget: int, profile, run, timed: Callable[[dict], float], n_ctx
                     speeds[i].append(timed(how))
                 except FlexoffloadError as e:
                     errors[i] = str(e)
-                    got = f"{speeds[i][-1]:.2f} tok/s" if speeds[i] and not errors[i] else errors[i]
+                got = f"{speeds[i][-1]:.2f} tok/s" if speeds[i] and not errors[i] else errors[i]
                 log.info(f"tune: round {r + 1}/{rounds}: {_name(p.policy, p.window, p.predicted_tok_s)}: {got}")
     measured = [statistics.fmean(s) if s and not e else 0.0 for s, e in zip(speeds, errors)]
     if not any(measured):

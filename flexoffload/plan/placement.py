@@ -32,7 +32,8 @@ from flexoffload import FlexoffloadError
 from flexoffload.defaults import LOAD_PIECE_BYTES
 from flexoffload.gguf.model import Model, Tensor
 from flexoffload.memory.budgets import format_size
-from flexoffload.plan.costmodel import Pipeline, Profile, simulate
+from flexoffload.plan.costmodel import Pipeline, Profile
+from flexoffload.plan.pipeline import simulate
 from flexoffload.plan.plans import CPU_BUFT, Memory, Plan
 
 HOST = -1  # the device index of this machine's CPU

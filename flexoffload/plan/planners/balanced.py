@@ -42,7 +42,7 @@ from flexoffload.plan.planners.common import Ledger, base, layer_pool
 # results/plans_qwen1.5b_0*x.csv):
 # at 0.5x, output streamed 1.78 tok/s mean over 4 runs, kept 2.35, where the model predicted 3% for streaming it;
 # at 0.7x, 1.95 against 3.13 over 3 (predicted 3% for streaming). The chunks it cannot read ahead
-# (costmodel.Stage.late_read_s) explain only part of that.
+# (pipeline.Stage.late_read_s) explain only part of that.
 OUTPUT_MARGIN = 0.10
 
 
