@@ -9,6 +9,7 @@ from dataclasses import replace
 
 import pytest
 
+from flexoffload.runtime import drafters
 from flexoffload.runtime import engine
 from flexoffload.gguf import catalog
 from flexoffload.runtime import speculate
@@ -300,3 +301,121 @@ def test_real_speculation_runs_the_target_alone_where_that_is_predicted_faster(r
     forced_out = json.loads(forced.stdout)
     assert forced_out["draft"]["path"] == str(draft_model) and forced_out["timings"]["n_verify"] >= 1
     assert forced_out["tokens"] == alone_out["tokens"]
+
+
+# --- speculation with -ub, -fa and the KV cache's types ---------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def wide_heads(tmp_path_factory):
+    """A synthetic target and a shallower draft with 32-wide attention heads (a quantized KV cache needs rows of
+    whole 32-value blocks; synth.TINY's heads are 16 wide)."""
+    d = tmp_path_factory.mktemp("spec32")
+    shape = replace(synth.TINY, n_head=2, n_head_kv=1)
+    target = synth.write(d / "target.gguf", shape=shape, seed=3, output_seed=4, output_scale=10)
+    draft = synth.write(d / "draft.gguf", shape=replace(shape, n_layer=2), seed=3, output_seed=4, output_scale=10)
+    return target, draft
+
+
+CONTEXT_KINDS = {
+    "ubatch 4": dict(n_ubatch=4),
+    "ubatch 16": dict(n_ubatch=16),
+    "flash attention on": dict(flash_attn="on"),
+    "q8_0 cache": dict(type_k="q8_0", type_v="q8_0"),
+    "q4_0 cache, ubatch 8": dict(type_k="q4_0", type_v="q4_0", n_ubatch=8),
+    "q8_0 K, bf16 V": dict(type_k="q8_0", type_v="bf16"),
+}
+
+
+@pytest.mark.parametrize("kind", list(CONTEXT_KINDS))
+def test_greedy_tree_with_ubatch_flash_attention_and_kv_types_equals_the_target_alone(wide_heads, kind):
+    """-ub, -fa on, -ctk and -ctv reach both models' contexts; each verification stays within one ubatch (one pass
+    over the weights) and the greedy tokens are the target's alone with the same settings."""
+    target, draft = wide_heads
+    settings = engine.Settings(n_ctx=256, n_batch=64, temp=0.0, strategy="mmap", **CONTEXT_KINDS[kind])
+    for prompt in ("hello world", "abc abc abc"):
+        ref = _alone(target, settings, prompt, 40)
+        for draft_path, names in ((draft, ()), (None, ("ngram-simple", "recycle"))):
+            got = speculate.run(target, settings, draft_path, Options(), prompt, 40, free_drafters=names)
+            assert got.tokens == ref.tokens, (kind, prompt, names)
+            assert got.timings["tree_size_max"] <= (settings.n_ubatch or settings.n_batch)
+
+
+def test_the_engines_of_a_speculation_take_the_context_settings(wide_heads):
+    target, draft = wide_heads
+    settings = engine.Settings(n_ctx=256, n_batch=64, n_ubatch=8, flash_attn="on", type_k="q8_0", type_v="q8_0")
+    for made in (speculate.target_settings(settings), speculate.draft_settings(settings, load(draft))):
+        assert (made.n_ubatch, made.flash_attn, made.type_k, made.type_v) == (8, "on", "q8_0", "q8_0")
+    with engine.Engine(target, speculate.target_settings(settings)) as t:
+        assert speculate.Speculator(t, None, Options(), drafters.make(["ngram-simple"], 384)).n_nodes_max == 8
+
+
+def test_speculation_refuses_what_it_cannot_verify_bit_exactly(wide_heads):
+    """Without flash attention a pass of several tokens rounds otherwise than one-token passes (see the integration
+    test below): refused before loading by check_settings, and by the Speculator where llama.cpp's auto turned it
+    off."""
+    from flexoffload import FlexoffloadError
+
+    target = wide_heads[0]
+    with pytest.raises(FlexoffloadError, match="flash attention"):
+        speculate.check_settings(engine.Settings(flash_attn="off"))
+    with pytest.raises(FlexoffloadError, match="-ub at least 2"):
+        speculate.check_settings(engine.Settings(n_ubatch=1))
+    speculate.check_settings(engine.Settings(flash_attn="auto", n_ubatch=2, type_k="q4_0", type_v="q4_0"))
+    with engine.Engine(target, speculate.target_settings(engine.Settings(n_ctx=256, flash_attn="off"))) as t:
+        assert not t.flash_attention
+        with pytest.raises(FlexoffloadError, match="flash attention"):
+            speculate.Speculator(t, None, Options(), drafters.make(["ngram-simple"], 384))
+    with engine.Engine(target, engine.Settings(n_ctx=256)) as t:
+        assert t.flash_attention  # auto: on for this CPU backend
+
+
+@pytest.mark.integration
+def test_real_verification_is_bit_exact_with_flash_attention_and_not_without(real_model):
+    """The structural reason -fa off stays refused: on the 1.5B, a token's logits from a pass of 2 tokens (per-row
+    kernels) equal a one-token pass's with flash attention (f16 or q8_0 cache, any ubatch), and differ without it
+    (its K*Q and V*softmax matmuls take llamafile's sgemm from 2 rows, vec_dot for 1); with -ub 1 they agree again
+    (every row its own pass), which is no tree."""
+    import numpy as np
+
+    from flexoffload import native
+
+    def logits_apart(**kinds) -> float:
+        settings = speculate.target_settings(engine.Settings(n_ctx=512, n_batch=64, temp=0.0, strategy="mmap",
+                                                             **kinds))
+        with engine.Engine(real_model, settings) as e:
+            lib, mem = e.lib, e.lib.llama_get_memory(e.ctx)
+            toks = e.tokenize(PROMPTS[0])
+            toks += e.generate(PROMPTS[0], 8).tokens
+            n = len(toks) - 2
+            lib.llama_memory_clear(mem, True)
+            e._decode(toks[:n])
+            e._decode([toks[n]])
+            e._decode([toks[n + 1]])
+            single = e.last_logits()
+            lib.llama_memory_clear(mem, True)
+            e._decode(toks[:n])
+            batch = speculate._Batch(lib, 2, 1)
+            batch.fill([(t, n + i, [0], True) for i, t in enumerate(toks[n:])])
+            native.set_tiled_matmul(0)
+            try:
+                assert lib.llama_decode(e.ctx, batch.batch) == 0
+            finally:
+                native.set_tiled_matmul(-1)
+                batch.free()
+            return float(np.abs(e.last_logits() - single).max())
+
+    assert logits_apart() == 0
+    assert logits_apart(type_k="q8_0", type_v="q8_0", n_ubatch=2) == 0
+    assert logits_apart(flash_attn="off") > 0
+    assert logits_apart(flash_attn="off", n_ubatch=1) == 0
+
+
+@pytest.mark.integration
+def test_real_greedy_speculation_with_ubatch_and_quantized_cache_equals_the_target_alone(real_model, draft_model):
+    settings = engine.Settings(n_ctx=512, n_batch=64, n_ubatch=16, temp=0.0, strategy="mmap", flash_attn="on",
+                               type_k="q8_0", type_v="q8_0")
+    for prompt in PROMPTS:
+        ref = _alone(real_model, settings, prompt, 40)
+        got = speculate.run(real_model, settings, draft_model, Options(), prompt, 40)
+        assert got.tokens == ref.tokens, prompt
+        assert got.timings["tokens_per_pass"] > 1.5 and got.timings["tree_size_max"] <= 16

@@ -132,6 +132,7 @@ class _Log:
 
     def __init__(self, lib, verbose: bool, keep: int | None = 200):
         self.lines: list[str] = []
+        self.n_seen = 0  # lines logged in all, kept or not (what one call logged: the last n_seen - before)
         self.keep = keep  # the last lines kept (None: all, for footprint's probe)
         self.verbose = verbose
         self.mlock_failed = False  # llama.cpp only warns when it cannot lock a buffer
@@ -141,6 +142,7 @@ class _Log:
             if "failed to mlock" in line or "mlock not supported" in line:
                 self.mlock_failed = True
             self.lines.append(line)
+            self.n_seen += 1
             if self.keep is not None:
                 del self.lines[:-self.keep]
             if self.verbose:
@@ -247,6 +249,15 @@ def context_params(lib, settings: Settings):
     return cparams
 
 
+def uses_flash_attention(settings: Settings, context_log: list[str]) -> bool:
+    """Whether a context computes attention with flash attention: as -fa says, or where it is auto as llama.cpp
+    resolved it (context_log: what it logged making the context). It turns auto off where a layer's attention would
+    run on another device than the layer (a tensor placed on an RPC server draws the attention there)."""
+    if settings.flash_attn != "auto":
+        return settings.flash_attn == "on"
+    return not any("Flash Attention not supported" in line for line in context_log)
+
+
 class Engine:
     def __init__(self, model_path: str, settings: Settings, log: _Log | None = None, eval_callback=None):
         """eval_callback: llama.cpp's ggml_backend_sched_eval_callback (a ctypes function), kept for the context's
@@ -276,8 +287,13 @@ class Engine:
                 self._split = (ctypes.c_float * lib.LLAMA_MAX_DEVICES)(*settings.tensor_split)
                 mparams.tensor_split = self._split
             overrides += [(p.encode(), devices.buffer_type(b)) for p, b in settings.placed_patterns]
-        elif settings.placed_patterns:
-            raise FlexoffloadError("the plan places tensors on other devices: give their servers with --rpc")
+        else:
+            if settings.placed_patterns:
+                raise FlexoffloadError("the plan places tensors on other devices: give their servers with --rpc")
+            # no device but the CPU: an RPC server an earlier engine of this process registered is in ggml's
+            # registry, and llama.cpp would offload every layer to it by default
+            self._devices = (ctypes.c_void_p * 1)(None)
+            mparams.devices = ctypes.cast(self._devices, ctypes.c_void_p)
         if settings.strategy == "mmap":
             mparams.load_mode = lib.LLAMA_LOAD_MODE_MMAP
         else:  # resident tensors read once into memory and locked there; streamed ones read by the prefetch threads
@@ -305,10 +321,13 @@ class Engine:
         if eval_callback is not None:
             self._eval_callback = eval_callback
             cparams.cb_eval = eval_callback
+        seen = self.log.n_seen
         self.ctx = lib.llama_init_from_model(self.model, cparams)
         if not self.ctx:
             lib.llama_model_free(self.model)
             raise FlexoffloadError(f"llama.cpp could not make a context (n_ctx={settings.n_ctx}): {self.log.last_error()}")
+        logged = self.log.lines[max(len(self.log.lines) - (self.log.n_seen - seen), 0):]
+        self.flash_attention = uses_flash_attention(settings, logged)  # speculation verifies bit-exactly only with it
         self.vocab = lib.llama_model_get_vocab(self.model)
         self.n_ctx = lib.llama_n_ctx(self.ctx)  # llama.cpp pads the context to 256
         self.n_batch = lib.llama_n_batch(self.ctx)  # and caps the batch by it
