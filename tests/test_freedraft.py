@@ -361,3 +361,162 @@ def test_run_speculates_by_default_where_auto_says_it_pays(real_model):
     alone = api.prepare(request_from_args(["-m", str(real_model), "-p", prompt, "--mem", "0.4x", "--spec-type",
                                            "none"]))
     assert alone.spec_type == "none" and alone.draft_bytes == 0
+
+
+# --- with -ub, -fa, -ctk, -ctv, and tensors on RPC servers --------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def wide_heads(tmp_path_factory):
+    """The peaked target with 32-wide attention heads (a quantized KV cache needs rows of whole 32-value blocks)."""
+    shape = replace(synth.TINY, n_head=2, n_head_kv=1)
+    return synth.write(tmp_path_factory.mktemp("wide") / "target.gguf", shape=shape, seed=3, output_seed=4,
+                       output_scale=10)
+
+
+@pytest.mark.parametrize("kinds", [dict(n_ubatch=4), dict(flash_attn="on", type_k="q8_0", type_v="q8_0"),
+                                   dict(n_ubatch=8, type_k="q4_0", type_v="q4_0")])
+def test_greedy_free_drafters_with_ubatch_and_kv_types_equal_the_target_alone(wide_heads, kinds):
+    """Streamed: each verification is one pass over the streamed weights, whatever the ubatch (the tree stays
+    within it); the prompt takes a pass per ubatch, as the target alone's."""
+    settings = engine.Settings(n_ctx=256, n_batch=64, temp=0.0, strategy="prefetch", streamed_patterns=(r"blk\..*",),
+                               window=1, **kinds)
+    ubatch = settings.n_ubatch or settings.n_batch
+    for prompt in ("abc abc abc abc", "The quick brown fox"):
+        ref = _alone(wide_heads, settings, prompt, 48)
+        got = speculate.run(wide_heads, settings, None, Options(), prompt, 48,
+                            free_drafters=("ngram-simple", "recycle"))
+        assert got.tokens == ref.tokens, (kinds, prompt)
+        t = got.timings
+        assert t["tokens_per_pass"] > 1 and t["tree_size_max"] <= ubatch
+        assert t["stream_rereads"] == 0 and t["stream_passes"] == t["n_verify"] + -(-got.n_prompt // ubatch)
+
+
+@pytest.fixture(scope="module")
+def rpc_server():
+    """llama.cpp's ggml-rpc-server on loopback (a free port), as `--rpc 127.0.0.1:PORT` names it; stopped after."""
+    import socket
+    import subprocess
+    import time
+
+    from flexoffload import FlexoffloadError, native
+    from flexoffload.native import devices
+
+    probe = socket.create_server(("127.0.0.1", 0))
+    endpoint = f"127.0.0.1:{probe.getsockname()[1]}"
+    probe.close()
+    server = subprocess.Popen([str(native.tool("ggml-rpc-server")), "-H", "127.0.0.1", "-p",
+                               endpoint.split(":")[1], "-t", "1"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                devices.probe_rpc(endpoint, timeout=1.0)
+                break
+            except FlexoffloadError:
+                if time.monotonic() > deadline or server.poll() is not None:
+                    raise
+                time.sleep(0.1)
+        yield endpoint
+    finally:
+        server.kill()
+        server.wait()
+
+
+def _in_a_child(function, *args: str) -> None:
+    """function(*args) of this module in a fresh interpreter: a run with --rpc registers its server in ggml's
+    registry for the process's life, and a server gone from it aborts whatever lists the devices after (test_rpc)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = f"import test_freedraft; test_freedraft.{function.__name__}(*{args!r})"
+    tests = str(Path(__file__).parent)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=1200, cwd=tests,
+                       env={**os.environ, "PYTHONPATH": os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")])})
+    assert r.returncode == 0, r.stderr[-3000:]
+
+
+def _free_drafters_over_rpc(directory: str, endpoint: str) -> None:
+    from flexoffload import FlexoffloadError
+
+    path = synth.write(f"{directory}/qwen2.gguf", synth.SHAPES["qwen2-tiny"], seed=3, output_seed=4, output_scale=10)
+    base = engine.Settings(n_ctx=256, n_batch=64, temp=0.0, strategy="mmap", rpc=(endpoint,))
+    whole_layer = ((r"blk\.1\..*", f"RPC0[{endpoint}]"),)
+    for settings in (replace(base, n_gpu_layers=2), replace(base, placed_patterns=whole_layer, flash_attn="on")):
+        for prompt in ("abc abc abc abc", "hello world"):
+            ref = _alone(path, settings, prompt, 40)
+            got = speculate.run(path, settings, None, Options(), prompt, 40, free_drafters=("ngram-simple", "recycle"))
+            assert got.tokens == ref.tokens, (settings, prompt)
+            assert 1 < got.timings["tokens_per_pass"] and got.timings["tree_size_max"] <= speculate.RPC_NODES
+    with pytest.raises(FlexoffloadError, match="give -fa on"):
+        speculate.run(path, replace(base, placed_patterns=whole_layer), None, Options(), "abc", 8,
+                      free_drafters=("ngram-simple",))
+    # an engine without --rpc after them stays on this machine (the server is in ggml's registry now)
+    with engine.Engine(path, replace(base, rpc=())) as e:
+        assert not [line for line in e.log.lines if "RPC0" in line]
+
+
+def test_free_drafters_with_tensors_on_an_rpc_server_give_the_target_alones_tokens(tmp_path, rpc_server):
+    """--rpc: layers offloaded with their KV cache (-ngl), or tensors placed on the server by a plan. The server's
+    kernels are its own (no switch from here for its tiled ones), so a tree stays under their 8 rows; a placement
+    that makes llama.cpp's auto turn flash attention off is refused (-fa on runs it)."""
+    _in_a_child(_free_drafters_over_rpc, str(tmp_path), rpc_server)
+
+
+def _real_rpc_passes(model_path: str, endpoint: str) -> None:
+    from flexoffload import native
+
+    settings = speculate.target_settings(engine.Settings(n_ctx=512, n_batch=64, temp=0.0, strategy="mmap",
+                                                         rpc=(endpoint,), n_gpu_layers=4))
+    _, prompt = edit.prompts("tuning", 1)[0]
+    with engine.Engine(model_path, settings) as e:
+        lib, mem = e.lib, e.lib.llama_get_memory(e.ctx)
+        toks = e.tokenize(prompt)[:200]
+
+        def apart(n_pass: int) -> float:
+            n = len(toks) - n_pass
+            lib.llama_memory_clear(mem, True)
+            for i in range(0, n, 64):
+                e._decode(toks[i:min(i + 64, n)])
+            for t in toks[n:]:
+                e._decode([t])
+            single = e.last_logits()
+            lib.llama_memory_clear(mem, True)
+            for i in range(0, n, 64):
+                e._decode(toks[i:min(i + 64, n)])
+            batch = speculate._Batch(lib, n_pass, 1)
+            batch.fill([(t, n + i, [0], True) for i, t in enumerate(toks[n:])])
+            native.set_tiled_matmul(0)
+            try:
+                assert lib.llama_decode(e.ctx, batch.batch) == 0
+            finally:
+                native.set_tiled_matmul(-1)
+                batch.free()
+            return float(np.abs(e.last_logits() - single).max())
+
+        assert apart(speculate.RPC_NODES) == 0
+        assert apart(speculate.RPC_NODES + 1) > 0
+
+
+@pytest.mark.integration
+def test_real_rpc_server_verifies_7_tokens_a_pass_as_one_token_passes_and_not_8(real_model, rpc_server):
+    """The structural reason for RPC_NODES: the 1.5B's last 4 layers on the server, a token's logits from a pass of
+    7 tokens (tiled kernels off here) equal one-token passes', from a pass of 8 (the server's tiled K-quant kernels)
+    they do not."""
+    _in_a_child(_real_rpc_passes, str(real_model), rpc_server)
+
+
+def _real_edit_over_rpc(model_path: str, endpoint: str) -> None:
+    _, prompt = edit.prompts("tuning", 2)[1]
+    settings = engine.Settings(n_ctx=1024, n_batch=512, temp=0.0, strategy="mmap", rpc=(endpoint,), n_gpu_layers=4)
+    ref = _alone(model_path, settings, prompt, 40)
+    got = speculate.run(model_path, settings, None, Options(), prompt, 40, free_drafters=("ngram-simple",))
+    assert got.tokens == ref.tokens
+    assert got.timings["tokens_per_pass"] > 1.5
+
+
+@pytest.mark.integration
+def test_real_edit_prompt_free_drafters_over_rpc_equal_the_target_alone(real_model, rpc_server):
+    _in_a_child(_real_edit_over_rpc, str(real_model), rpc_server)
