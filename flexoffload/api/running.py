@@ -59,7 +59,12 @@ def run_prepared(p: Prepared, on_text=None, read_line=None, note=None) -> dict:
     """Load and generate in this process; the result as a dict (engine.Result's fields and the run's context).
     A conversation (request.chat) reads its messages with read_line() and says what is not a reply with note(line)."""
     r, model, settings, path = p.request, p.model, p.settings, str(p.model.path)
-    if r.chat:
+    if r.chat and p.tree is not None:  # a conversation whose replies the tree speculates
+        store = Path(p.store) if p.store else None
+        result = speculate.converse(path, settings, p.draft, p.tree, p.free, store, r.prompt.strip() or None,
+                                    r.n_predict, read_line or read_message, on_text, note or log.info)
+        result["spec"] = {"types": p.spec_type.split(","), "node_s": p.tree.node_s}
+    elif r.chat:
         with engine.Engine(path, settings) as eng:
             result = chat.converse(eng, r.prompt.strip() or None, r.n_predict, read_line or read_message, on_text,
                                    note or (lambda line: log.info(line)))

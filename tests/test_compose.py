@@ -1,0 +1,214 @@
+"""Features that compose (issue 40, item 4): each pair of {streaming under a budget, -md, free drafters, -ub/-fa/KV
+types, -cnv, a mixture of experts, --plan, --rpc, --precision auto, --sparsity, serve} either runs with greedy
+tokens equal to the reference, or is refused in one line by a documented rule (docs/options.md). The reference:
+llama-completion on the file the run ran, with the same context settings; for a conversation, the same
+conversation by that file alone (no budget, no speculation). Tiny synthetic models, random weights.
+
+With FLEXOFFLOAD_MATRIX=FILE the matrix is written there as a markdown table (scripts/options_doc --matrix FILE
+puts it into docs/options.md)."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+from conftest import cli
+from test_equality import llama_completion
+from flexoffload import options
+from flexoffload.bench import machines
+from flexoffload.gguf import synth
+
+FEATURES = ("budget", "md", "free", "ub-fa-kv", "cnv", "moe", "plan", "rpc", "precision", "sparsity", "serve")
+PROMPT = "a b c d a b c d a b"  # repeats: n-grams find drafts
+N = 10
+# heads of 32: a q8_0 KV cache's blocks divide them
+DENSE = dataclasses.replace(synth.SHAPES["qwen2-tiny"], n_head=4)  # a dense qwen2: predicted neurons need one
+MOE = dataclasses.replace(synth.SHAPES["qwen3moe-tiny"], n_head=4, n_head_kv=2)
+DRAFT = dataclasses.replace(DENSE, n_layer=1)  # the target's vocabulary
+# refusals that depend on the model rather than on the flags (said where the model is read)
+MODEL_RULES = {"predicted neurons are built for a dense": "predicted neurons are groups of a dense FFN's "
+               "neurons; a mixture of experts has no dense FFN to group"}
+RESULTS: dict[tuple[str, str], str] = {}
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    d = tmp_path_factory.mktemp("compose")
+    paths = {"dense": synth.write(d / "dense.gguf", DENSE, output_scale=4.0), "moe": synth.write(d / "moe.gguf", MOE),
+             "draft": synth.write(d / "draft.gguf", DRAFT, seed=1)}
+    # predicted neurons, measured once for the dense model (as test_sparsity.py does)
+    cli("profile", "-m", str(paths["dense"]), "--neurons", "--neuron-groups", "6", "--levels", "4,6", "-t", "2",
+        check=True)
+    return paths
+
+
+@pytest.fixture
+def endpoint():
+    """An RPC machine of its own for each pair that takes one (a network namespace running ggml-rpc-server)."""
+    with machines.Machines(1, memory=512 << 20, rate="1gbit") as m:
+        yield m.endpoints[0]
+
+
+def _flags(features: tuple[str, ...], models, endpoint) -> tuple[list[str], dict]:
+    """The command line of a pair of features (run's flags; how it runs in `how`)."""
+    how = {"model": models["moe" if "moe" in features else "dense"], "chat": "cnv" in features,
+           "plan": "plan" in features, "serve": "serve" in features}
+    flags = {"-c": "256", "-b": "32", "-t": "2"}
+    if "budget" in features or "plan" in features or "precision" in features:
+        flags.update({"--mem": "160M", "--strategy": "stream"})
+    if "md" in features:
+        flags.update({"-md": str(models["draft"]), "--draft-always": None})
+    if "free" in features:
+        flags["--spec-type"] = "ngram-simple"
+    if "ub-fa-kv" in features:
+        flags.update({"-ub": "16", "-fa": "on", "-ctk": "q8_0", "-ctv": "q8_0"})
+    if "rpc" in features:
+        flags.update({"--rpc": endpoint, "-ngl": "1"})
+    if "precision" in features:
+        flags.update({"--precision": "auto", "--max-kld": "0.5"})
+    if "sparsity" in features:
+        flags["--sparsity"] = "4"
+    return [x for k, v in flags.items() for x in ([k] if v is None else [k, v])], how
+
+
+def _context(flags: list[str]) -> dict:
+    """The context settings among flags, for the reference."""
+    pairs = dict(zip(flags, flags[1:] + [""]))  # each flag and what follows it
+    return {"ctx": int(pairs["-c"]), "batch": int(pairs["-b"]), "ubatch": int(pairs["-ub"]) if "-ub" in pairs else None,
+            "flash_attn": pairs.get("-fa"), "kv": pairs.get("-ctk")}
+
+
+def _reference(path, flags: list[str]) -> str:
+    c = _context(flags)
+    extra = ["-ctk", c["kv"], "-ctv", c["kv"]] if c["kv"] else []
+    if extra:  # llama_completion takes no KV types: run llama-completion with them here
+        from flexoffload import native
+
+        cmd = [str(native.tool("llama-completion")), "-m", str(path), "-p", PROMPT, "-n", str(N), "--temp", "0",
+               "-c", str(c["ctx"]), "-b", str(c["batch"]), "-ub", str(c["ubatch"] or c["batch"]), "-t", "2",
+               "-lm", "mmap", "--no-repack", "-no-cnv", "--no-display-prompt", "--simple-io", "--no-warmup",
+               "-fa", c["flash_attn"] or "auto", *extra]
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL,
+                           env={**os.environ})
+        assert r.returncode == 0 and r.stdout.endswith("\n\n"), r.stderr[-2000:]
+        return r.stdout[:-2]
+    return llama_completion(path, PROMPT, N, ctx=c["ctx"], batch=c["batch"], ubatch=c["ubatch"],
+                            flash_attn=c["flash_attn"])
+
+
+def _chat(model, flags: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "flexoffload", "run", "-cnv", "-m", str(model), "-n", "6", "--temp",
+                           "0", "--json", *flags], input="hello there\nand again\n", capture_output=True, text=True,
+                          timeout=600)
+
+
+def _serve_text(model, flags: list[str]) -> tuple[int, str, str]:
+    """Serve with flags, one greedy /completion; (exit status, its text, stderr)."""
+    serve_flags = [f for f in flags if f not in ("--draft-always",)]
+    proc = subprocess.Popen([sys.executable, "-m", "flexoffload", "serve", "-m", str(model), "--port", "0", "-np",
+                             "1", *serve_flags], stderr=subprocess.PIPE, text=True)
+    try:
+        port, log = None, ""
+        deadline = time.monotonic() + 300
+        while port is None and time.monotonic() < deadline:
+            line = proc.stderr.readline()
+            if not line:
+                break
+            log += line
+            if "serving" in line and "http://" in line:
+                port = int(line.split("http://", 1)[1].split("/", 1)[0].rsplit(":", 1)[1])
+        if port is None:
+            proc.wait(timeout=30)
+            return proc.returncode, "", log
+        body = json.dumps({"prompt": PROMPT, "n_predict": N, "temperature": 0}).encode()
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/completion", body,
+                                     {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=300) as r:
+            return 0, json.loads(r.read())["content"], log
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+
+
+def _refused(stderr: str) -> str:
+    """The one-line refusal in stderr, checked to be a documented rule's."""
+    lines = [x for x in stderr.strip().splitlines() if x.startswith(("Error:", "flexoffload:", "Usage:"))]
+    assert "Traceback" not in stderr, stderr[-3000:]
+    last = lines[-1] if lines else stderr.strip().splitlines()[-1]
+    text = last.removeprefix("Error: ").removeprefix("flexoffload: ")
+    documented = [r.message for r in options.RULES] + list(MODEL_RULES) + ["No such option"]
+    assert any(d in text for d in documented), f"refused, but by no documented rule: {text}"
+    return text
+
+
+@pytest.mark.parametrize("a,b", list(itertools.combinations(FEATURES, 2)))
+def test_a_pair_runs_as_the_reference_or_is_refused_by_a_rule(a, b, models, request, tmp_path):
+    flags, how = _flags((a, b), models, request.getfixturevalue("endpoint") if "rpc" in (a, b) else None)
+    model = how["model"]
+    if how["plan"]:
+        plan_flags = [f for f in flags if f not in ("--draft-always",)]
+        made = cli("plan", "-m", str(model), *plan_flags, "-o", str(tmp_path / "plan"))
+        if made.returncode != 0:
+            RESULTS[(a, b)] = "refused: " + _refused(made.stderr)
+            return
+        flags = flags + ["--plan", str(tmp_path / "plan")]
+    if how["serve"]:
+        status, text, log = _serve_text(model, flags)
+        if status != 0 and not text:
+            RESULTS[(a, b)] = "refused: " + _refused(log)
+            return
+        assert text == _reference(model, flags)
+        RESULTS[(a, b)] = "equal"
+        return
+    if how["chat"]:
+        r = _chat(model, flags)
+        if r.returncode != 0:
+            RESULTS[(a, b)] = "refused: " + _refused(r.stderr)
+            return
+        ran = json.loads(r.stdout)
+        assert ("spec" in ran) == bool({"md", "free"} & {a, b})  # it speculated where asked, not elsewhere
+        alone = _chat(ran["model"]["path"], _context_flags(flags))
+        assert alone.returncode == 0, alone.stderr
+        assert [t["reply"] for t in ran["turns"]] == [t["reply"] for t in json.loads(alone.stdout)["turns"]]
+        RESULTS[(a, b)] = "equal"
+        return
+    r = cli("run", "-m", str(model), "-p", PROMPT, "-n", str(N), "--temp", "0", "--json", *flags)
+    if r.returncode != 0:
+        RESULTS[(a, b)] = "refused: " + _refused(r.stderr)
+        return
+    ran = json.loads(r.stdout)
+    assert ("spec" in ran) == bool({"md", "free"} & {a, b})  # it speculated where asked, not elsewhere
+    assert ran["text"] == _reference(ran["model"]["path"], flags)
+    RESULTS[(a, b)] = "equal"
+
+
+def _context_flags(flags: list[str]) -> list[str]:
+    """The context settings among flags (the reference conversation runs the file alone with them)."""
+    keep = ("-c", "-b", "-ub", "-fa", "-ctk", "-ctv", "-t")
+    return [x for i in range(0, len(flags)) if flags[i] in keep for x in flags[i:i + 2]]
+
+
+def test_write_the_matrix():
+    """The matrix the pairs made, written where FLEXOFFLOAD_MATRIX says (after the pairs: pytest runs in order)."""
+    out = os.environ.get("FLEXOFFLOAD_MATRIX")
+    if not out or not RESULTS:
+        pytest.skip("FLEXOFFLOAD_MATRIX not set, or the pairs did not run in this session")
+    rows = ["| | " + " | ".join(FEATURES[1:]) + " |", "|---" * len(FEATURES) + "|"]
+    for i, a in enumerate(FEATURES[:-1]):
+        cells = []
+        for b in FEATURES[1:]:
+            got = RESULTS.get((a, b)) if FEATURES.index(b) > i else None
+            cells.append("" if got is None else ("equal" if got == "equal" else "refused"))
+        rows.append(f"| {a} | " + " | ".join(cells) + " |")
+    refusals = sorted({f"- {a} + {b}: {v.removeprefix('refused: ')}" for (a, b), v in RESULTS.items()
+                       if v != "equal"})
+    with open(out, "w") as f:
+        f.write("\n".join(rows) + "\n\nRefused pairs and the rule each met:\n\n" + "\n".join(refusals) + "\n")
