@@ -110,3 +110,42 @@ def test_plan_then_run_by_it_is_run_under_the_budget(shape, extra, cache, tmp_pa
     assert a["tokens"] == b["tokens"] and a["strategy"] == b["strategy"]
     if direct.plan:
         assert a["plan"]["policy"] == b["plan"]["policy"] and a["plan"]["window"] == b["plan"]["window"]
+
+
+WIDE = synth.Shape(n_layer=2, n_embd=256, n_ff=512, n_head=4, n_head_kv=2, n_vocab=384, n_ctx_train=1024)
+
+
+def test_a_precision_plan_then_run_by_it_is_run_with_precision_auto(cache, tmp_path):
+    """plan --precision auto -o D writes the plan run --precision auto streams by (its requantized file, types and
+    residency; plan also measures the file's quality), and run --plan D gives the same greedy tokens."""
+    m = load(synth.write(tmp_path / "wide.gguf", WIDE))
+    flags = ["-m", str(m.path), "--mem", "120M", "--precision", "auto", "--max-kld", "0.01", "-t", "2"]
+    out = tmp_path / "plan"
+    made = cli("plan", *flags, "-o", str(out))
+    assert made.returncode == 0, made.stderr
+    direct = api.prepare(request_from_args([*flags, "-p", "a b c d"])).plan.to_dict()
+    written = json.loads((out / "plan.json").read_text())
+    written["precision"].pop("measured", None)  # plan measures the requantized file's quality too
+    direct["precision"].pop("measured", None)
+    assert written == direct
+    run = ["-p", "a b c d", "-n", "8", "--temp", "0", "--json"]
+    by_plan = cli("run", "--plan", str(out), "-m", str(m.path), "--mem", "120M", "-t", "2", *run)
+    under_budget = cli("run", *flags, *run)
+    assert by_plan.returncode == 0 and under_budget.returncode == 0, by_plan.stderr + under_budget.stderr
+    a, b = json.loads(by_plan.stdout), json.loads(under_budget.stdout)
+    assert a["tokens"] == b["tokens"] and a["model"]["path"] == b["model"]["path"] != str(m.path)
+
+
+@pytest.mark.integration
+def test_the_real_model_s_plan_then_run_by_it_is_run_under_the_budget(real_model, tmp_path):
+    flags = ["-m", str(real_model), "--mem", "0.4x", "-c", "512", "-t", "2"]
+    out = tmp_path / "plan"
+    made = cli("plan", *flags, "-o", str(out))
+    assert made.returncode == 0, made.stderr
+    direct = api.prepare(request_from_args([*flags, "-p", "def f(x):"]))
+    assert json.loads((out / "plan.json").read_text()) == direct.plan.to_dict()
+    run = ["-p", "def fibonacci(n):", "-n", "16", "--temp", "0", "--json"]
+    a = json.loads(cli("run", "--plan", str(out), *flags, *run, check=True).stdout)
+    b = json.loads(cli("run", *flags, *run, check=True).stdout)
+    assert a["tokens"] == b["tokens"] and a["plan"]["policy"] == b["plan"]["policy"]
+    assert a.get("spec", {}).get("types") == b.get("spec", {}).get("types")  # the drafting decided the same

@@ -12,7 +12,6 @@ from flexoffload.measure import probe
 from flexoffload.measure import requantize
 from flexoffload.measure import profiler
 from flexoffload.measure import sensitivity
-from flexoffload.plan.costmodel import Profile
 from flexoffload.plan.mixed import choose, search
 from flexoffload.plan.planners import plan_budget
 
@@ -38,10 +37,11 @@ def plan(model: Model, budget: int, profile, n_ctx: int, n_batch: int, max_kld: 
     else:
         path = model.path
     mixed = load(path)
-    # the mixed file computes at its own speed (a Q2_K byte is not a Q4_K byte); the disk is the source's measure,
-    # so the two predictions differ by the types alone
-    own = replace(Profile.calibrated(mixed, profiler.compute_speed(path, n_threads or 1), profile.disk_bw,
-                                     profile.io_latency), peak_disk_bw=profile.peak_disk_bw)
+    # the mixed file computes at its own speed (a Q2_K byte is not a Q4_K byte), measured once and cached with its
+    # profile, so plan and run decide the same; the disk is the source's measure, so the two predictions differ by
+    # the types alone
+    own = replace(profiler.as_measured(mixed, n_threads or 1), disk_bw=profile.disk_bw,
+                  io_latency=profile.io_latency, peak_disk_bw=profile.peak_disk_bw)
     residency = plan_budget(mixed, budget, "balanced", own,
                             probe.measure(mixed, n_ctx, n_batch, n_outputs, n_seq_max),
                             io_threads=io_threads or IO_THREADS, draft=draft)
