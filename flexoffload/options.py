@@ -124,10 +124,10 @@ OPTIONS: tuple[Option, ...] = (
            "ablation)", (), "budget"),
     # draft: speculation, by a resident draft model and free drafters
     Option("draft", ("-md", "--model-draft"), None, "a draft model kept resident: token-tree speculation (same "
-           "vocabulary as the target)", ("run", "plan"), "draft", metavar="MODEL", key="model"),
-    Option("spec_type", ("--spec-type",), "auto", SPEC_HELP, ("run", "plan"), "draft", metavar="LIST"),
+           "vocabulary as the target)", ("run", "plan", "serve"), "draft", metavar="MODEL", key="model"),
+    Option("spec_type", ("--spec-type",), "auto", SPEC_HELP, ("run", "plan", "serve"), "draft", metavar="LIST"),
     Option("draft_max", ("--draft-max",), None, "node budget of a speculation tree [default: from the measured "
-           "target pass and draft token]", ("run", "plan"), "draft", type=int, key="max"),
+           "target pass and draft token]", ("run", "plan", "serve"), "draft", type=int, key="max"),
     Option("draft_p_split", ("--draft-p-split",), 0.3, "a draft candidate this likely opens a branch",
            ("run",), "draft", key="p_split"),
     Option("spec", ("--spec",), "tree", "speculation shape: a token tree, or a linear chain", ("run",), "draft",

@@ -3,7 +3,9 @@
 full), concurrent clients whose greedy outputs equal single-client `flexoffload run` outputs, a client that goes
 away cancelled, and a clean exit on SIGTERM or SIGINT: no llama-server left, no cgroup, no temporary folder. Bad
 input (raw sockets: malformed HTTP a client library would not send), requests while the model loads and SIGTERM with
-requests in flight each get a clear status, never a traceback.
+requests in flight each get a clear status, never a traceback. Speculation by llama-server's own drafters (n-grams, a
+draft model) gives run's greedy text, is planned within the budget, and where it does not fit the server runs
+without it.
 
 The models are synthetic (random weights) unless marked integration (the real 0.5B)."""
 
@@ -25,7 +27,8 @@ from pathlib import Path
 import pytest
 
 from conftest import cli
-from flexoffload.gguf import synth
+from flexoffload import FlexoffloadError
+from flexoffload.gguf import catalog, synth
 
 import openai  # noqa: E402  (the official client: a test extra)
 
@@ -82,9 +85,10 @@ class Serving:
     def client(self, key: str = "none", **kw):
         return openai.OpenAI(base_url=f"{self.base}/v1", api_key=key, max_retries=0, **kw)
 
-    def request(self, method: str, path: str, body: bytes | None = None, headers: dict | None = None):
+    def request(self, method: str, path: str, body: bytes | None = None, headers: dict | None = None,
+                timeout: float = 120):
         """(status, parsed body or text) of a plain HTTP request."""
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=120)
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
         try:
             conn.request(method, path, body=body, headers=headers or {})
             r = conn.getresponse()
@@ -536,6 +540,143 @@ def test_llama_server_flags_from_the_runs_settings():
     assert "-ot" not in mmap and mmap[mmap.index("-lm") + 1] == "mmap" and server.environment(Settings()) == {}
 
 
+def test_llama_server_flags_of_speculation():
+    """Speculation as llama-server's own flags: the draft on this machine, whole (-ngld 0, -devd none: the target's -ot
+    lines are not the draft's), its KV types the target's, --spec-type always given (-md alone drafts nothing), the
+    n-gram drafters' keys and lengths; the row-by-row kernels in the environment; the flags serve plans for are its
+    own after `--`."""
+    from flexoffload.runtime import server
+    from flexoffload.runtime.engine import Settings
+
+    settings = Settings(n_ctx=1024, strategy="stream", type_k="q8_0", type_v="q8_0")
+    draft = server.Speculation("/m/draft.gguf", ("draft-simple",), n_max=5)
+    args = server.llama_server_args("/m/model.gguf", settings, 2, "/s.sock", (), draft)
+    pairs = {a: args[i + 1] for i, a in enumerate(args[:-1]) if a.startswith("-")}
+    assert pairs["-md"] == "/m/draft.gguf" and pairs["--spec-type"] == "draft-simple"
+    assert pairs["--spec-draft-n-max"] == "5" and pairs["-ngld"] == "0" and pairs["-devd"] == "none"
+    assert pairs["-ctkd"] == "q8_0" and pairs["-ctvd"] == "q8_0" and "--spec-ngram-simple-size-m" not in args
+    assert draft.rows == 6 and "draft.gguf drafts 5" in draft.describe()
+    ngrams = server.Speculation(None, ("ngram-simple", "ngram-map-k"), ngram_max=12)
+    args = server.llama_server_args("/m/model.gguf", settings, 2, "/s.sock", (), ngrams)
+    pairs = {a: args[i + 1] for i, a in enumerate(args[:-1]) if a.startswith("-")}
+    assert "-md" not in args and pairs["--spec-type"] == "ngram-simple,ngram-map-k"
+    assert pairs["--spec-ngram-simple-size-n"] == "3" and pairs["--spec-ngram-simple-size-m"] == "12"
+    assert pairs["--spec-ngram-map-k-size-n"] == "4" and pairs["--spec-ngram-map-k-size-m"] == "12"
+    assert ngrams.rows == 13
+    assert server.environment(settings, ngrams)["GGML_CPU_TILED_MM"] == "0"
+    assert "GGML_CPU_TILED_MM" not in server.environment(settings)
+    assert "--spec-type" not in server.llama_server_args("/m/model.gguf", settings, 2, "/s.sock")
+    for flag in ("-md", "--spec-type", "--spec-draft-n-max", "-ctkd"):
+        with pytest.raises(FlexoffloadError, match="serve's own"):
+            server.llama_server_args("/m/model.gguf", settings, 2, "/s.sock", (flag, "x"))
+
+
+@pytest.fixture(scope="module")
+def kquant_draft(kquant_model, tmp_path_factory) -> Path:
+    """A draft with the K-quant target's vocabulary: two layers of its shape (its output matrix drawn after them, so
+    it is not the target's: its drafts are mostly rejected)."""
+    shape = synth.Shape(n_layer=2, n_embd=256, n_ff=512, n_head=4, n_head_kv=2, n_vocab=384, n_ctx_train=2048)
+    return synth.write(tmp_path_factory.mktemp("models") / "draft.gguf", shape)
+
+
+SPECULATION_PROMPTS = ["1 2 3 4 5", "q r s", "m n o p m n o p m n o p"]  # the target's greedy text repeats itself
+
+
+@pytest.mark.parametrize("how", ["ngram-simple", "draft", "draft-is-target"])
+def test_speculating_server_gives_runs_greedy_text(kquant_model, kquant_draft, how, monkeypatch):
+    """llama-server's own speculation (an n-gram drafter; a draft model whose drafts are mostly rejected; the target
+    as its own draft, every draft accepted): three clients at once on two sequences, each greedy text is `run`'s for
+    its prompt alone (the near-tie K-quant model: a pass that rounded otherwise would show), and the responses'
+    timings count drafts. Both sides with row-by-row kernels (serve sets them for speculation itself)."""
+    monkeypatch.setenv("GGML_CPU_TILED_MM", "0")
+    alone = {p: run_text(kquant_model, p, 128, "-c", "1024") for p in SPECULATION_PROMPTS}
+    flags = {"ngram-simple": ["--spec-type", "ngram-simple"], "draft": ["-md", str(kquant_draft)],
+             "draft-is-target": ["-md", str(kquant_model), "--draft-max", "4"]}[how]
+    monkeypatch.delenv("GGML_CPU_TILED_MM")  # the server's own environment says it
+    with Serving("-m", str(kquant_model), "-c", "1024", "-np", "2", *flags) as s:
+        ready = "".join(s.lines)
+        assert {"ngram-simple": "speculating: ngram-simple up to 16 tokens",
+                "draft": "speculating: draft.gguf drafts 3",
+                "draft-is-target": "speculating: kquant.gguf drafts 4"}[how] in ready, ready
+        cmd = Path(f"/proc/{s.server_pid}/cmdline").read_bytes().split(b"\0")
+        assert cmd[cmd.index(b"--spec-type") + 1] == (b"ngram-simple" if how == "ngram-simple" else b"draft-simple")
+        env = Path(f"/proc/{s.server_pid}/environ").read_bytes().split(b"\0")
+        assert b"GGML_CPU_TILED_MM=0" in env
+
+        def ask(prompt):
+            status, answer = s.request("POST", "/v1/completions", json.dumps(
+                {"prompt": prompt, "max_tokens": 128, "temperature": 0}).encode())
+            assert status == 200, answer
+            return answer["choices"][0]["text"], answer["timings"]
+
+        with ThreadPoolExecutor(3) as pool:
+            answers = dict(zip(SPECULATION_PROMPTS, pool.map(ask, SPECULATION_PROMPTS)))
+        assert {p: text for p, (text, _) in answers.items()} == alone
+        drafted = sum(t.get("draft_n", 0) for _, t in answers.values())
+        accepted = sum(t.get("draft_n_accepted", 0) for _, t in answers.values())
+        assert drafted > 0, answers
+        if how != "draft":
+            assert accepted > 0, answers
+        if how == "draft-is-target":
+            assert accepted == drafted  # the target drafting itself: every draft is its own greedy token
+        assert s.metric("llamacpp:tokens_predicted_total") == 3 * 128
+        s.stop()
+
+
+def test_the_servers_speculation_is_planned(kquant_model, kquant_draft, tmp_path):
+    """prepare for a server (drafting.for_server): n-gram speculation's logits rows (each sequence's last token and
+    a match's 16) are in the plan's compute buffers, a draft model's memory in its overhead (the API's draft_always:
+    kept where the target alone is predicted faster); auto without a budget does not speculate (as run's auto), nor
+    does a saved plan (said)."""
+    from flexoffload import options
+    from flexoffload.api.preparing import prepare
+    from flexoffload.api.serving import speculation
+    from flexoffload.measure import probe
+    from flexoffload.runtime import server
+
+    def prepared(**fields):
+        request = options.Request(model=str(kquant_model), prompt=" ", n_ctx=1024, n_threads=2, strategy="stream",
+                                  **fields)
+        return prepare(request, n_seq_max=2, server=True)
+
+    alone = prepared(mem="128M", spec_type="none")
+    ngram = prepared(mem="128M", spec_type="ngram-simple")
+    drafted = prepared(mem="128M", draft=str(kquant_draft), draft_always=True)
+    assert speculation(alone) is None and alone.plan is not None
+    assert speculation(ngram) == server.Speculation(None, ("ngram-simple",), 3, 16) and ngram.free == ("ngram-simple",)
+    # the footprint probe made the target's context with 2 x (1 + 16) logits rows of the 384-token vocabulary
+    assert ngram.plan.memory.compute > alone.plan.memory.compute
+    assert probe.measure(ngram.model, 1024, 512, 2 * 17, 2).output >= 2 * 17 * 4 * 384
+    assert speculation(drafted).draft == str(kquant_draft) and speculation(drafted).types == ("draft-simple",)
+    assert drafted.draft_bytes > kquant_draft.stat().st_size  # its weights and its context
+    # (each probe measures the target's heap anew: a few pages either way)
+    assert abs(drafted.plan.memory.overhead - alone.plan.memory.overhead - drafted.draft_bytes) < 1 << 20
+    assert speculation(prepared()) is None  # auto without a budget: the target alone, as run's auto
+    saved = prepared(mem="128M", plan_dir=str(alone.write(tmp_path / "plan")), spec_type="ngram-simple")
+    assert speculation(saved) is None and any("no room for the server's speculation" in n for n in saved.notes)
+
+
+def test_speculation_that_does_not_fit_the_budget_serves_without_it(kquant_model, kquant_draft):
+    """A budget that holds the target alone but not the draft beside it: serve says so and serves without -md (a
+    default never refuses a budget the server without speculation takes); --spec-type recycle (run's own drafter,
+    not llama-server's) is refused in one line."""
+    r = cli("serve", "-m", str(kquant_model), "--port", "0", "-c", "1024", "-np", "2", "--mem", "1M")
+    assert r.returncode != 0 and "the minimum is" in r.stderr, r.stderr
+    minimum = r.stderr.split("the minimum is ")[1].split()[0]  # in MiB: the target alone's, rounded up
+    with Serving("-m", str(kquant_model), "-c", "1024", "-np", "2", "--mem", f"{minimum}M",
+                 "-md", str(kquant_draft)) as s:
+        lines = "".join(s.lines)
+        assert "does not fit beside the target at this budget" in lines and "server runs without it" in lines, lines
+        assert "no speculation" in lines
+        cmd = Path(f"/proc/{s.server_pid}/cmdline").read_bytes().split(b"\0")
+        assert b"-md" not in cmd and b"--spec-type" not in cmd
+        assert s.client().completions.create(model="any", prompt="a", max_tokens=4).usage.completion_tokens == 4
+        s.stop()
+    r = cli("serve", "-m", str(kquant_model), "--port", "0", "--spec-type", "recycle")
+    assert r.returncode != 0 and "recycle is run's own drafter" in r.stderr and "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
 def test_the_front_is_loaded_only_by_serve():
     """aiohttp (18 MiB of Python's memory) is imported when serve starts, not with runtime.server, which the api (and
     so every `run`, whose budget counts its process's memory) imports."""
@@ -561,5 +702,64 @@ def test_real_model_concurrent_greedy_equals_run_under_a_budget(real_model, monk
         assert "return" in "".join(texts)  # a real model writes real code
         budget = s.metric("flexoffload_memory_budget_bytes")
         assert 0 < s.metric("flexoffload_memory_peak_bytes") <= budget
+        assert s.metric("flexoffload_disk_read_bytes_per_pass") > 0  # it streams
+        s.stop()
+
+
+@pytest.fixture(scope="module")
+def draft_model() -> Path:
+    """The real Qwen2.5-Coder-0.5B-Instruct: the 1.5B's vocabulary, a draft for it."""
+    entry = catalog.CATALOG["qwen2.5-coder-0.5b-instruct"]
+    if not catalog.is_present(entry):
+        pytest.fail(f"{entry.name} is not fetched: run `flexoffload models fetch` (make test does)")
+    return catalog.model_path(entry)
+
+
+# a prompt whose continuation repeats it (self.y = y): n-gram drafts the 1.5B accepts
+REPEATING_CODE = ("class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n\n\n"
+                  "class Point3:\n    def __init__(self, x, y, z):\n        self.x = x\n")
+
+
+def ask_all(s: Serving, prompts: list[str], n: int) -> dict[str, tuple[str, dict]]:
+    """Each prompt's greedy text and timings, the prompts sent at once."""
+    def ask(prompt):
+        status, answer = s.request("POST", "/v1/completions", json.dumps(
+            {"prompt": prompt, "max_tokens": n, "temperature": 0}).encode(), timeout=900)  # the real model, 2 cores
+        assert status == 200, answer
+        return answer["choices"][0]["text"], answer["timings"]
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        return dict(zip(prompts, pool.map(ask, prompts)))
+
+
+@pytest.mark.integration
+def test_real_model_speculating_server_equals_run(real_model, draft_model, monkeypatch):
+    """The real 1.5B with the 0.5B as llama-server's draft (draft-simple), three clients on two sequences: each greedy
+    text is `run`'s for its prompt alone (both with row-by-row kernels), drafts are made and accepted."""
+    monkeypatch.setenv("GGML_CPU_TILED_MM", "0")
+    prompts = ["def quicksort(arr):", "class Stack:", REPEATING_CODE]
+    alone = {p: run_text(real_model, p, 32, "-c", "1024") for p in prompts}
+    with Serving("-m", str(real_model), "-c", "1024", "-np", "2", "-md", str(draft_model)) as s:
+        assert "speculating: qwen2.5-coder-0.5b-instruct.gguf drafts 3" in "".join(s.lines)
+        answers = ask_all(s, prompts, 32)
+        assert {p: text for p, (text, _) in answers.items()} == alone
+        assert sum(t.get("draft_n_accepted", 0) for _, t in answers.values()) > 0, answers
+        s.stop()
+
+
+@pytest.mark.integration
+def test_real_model_ngram_speculation_under_an_enforced_budget_equals_run(real_model, monkeypatch):
+    """The real 1.5B at 0.4x, enforced, with llama-server's ngram-simple: the plan counts its logits rows, the cgroup's
+    peak stays within the budget, a prompt that repeats has drafts accepted, and each text is `run`'s alone."""
+    monkeypatch.setenv("GGML_CPU_TILED_MM", "0")
+    prompts = [REPEATING_CODE, "def fibonacci(n):"]
+    alone = {p: run_text(real_model, p, 32, "-c", "1024") for p in prompts}
+    with Serving("-m", str(real_model), "-c", "1024", "-np", "2", "--mem", "0.4x", "--enforce",
+                 "--spec-type", "ngram-simple") as s:
+        assert "speculating: ngram-simple up to 16 tokens" in "".join(s.lines) and "enforced" in "".join(s.lines)
+        answers = ask_all(s, prompts, 32)
+        assert {p: text for p, (text, _) in answers.items()} == alone
+        assert answers[REPEATING_CODE][1].get("draft_n_accepted", 0) > 0, answers
+        assert 0 < s.metric("flexoffload_memory_peak_bytes") <= s.metric("flexoffload_memory_budget_bytes")
         assert s.metric("flexoffload_disk_read_bytes_per_pass") > 0  # it streams
         s.stop()

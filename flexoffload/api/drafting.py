@@ -12,12 +12,14 @@ from pathlib import Path
 
 from flexoffload import FlexoffloadError
 from flexoffload.defaults import cache_dir, file_key
+from flexoffload.gguf import catalog
+from flexoffload.gguf.model import load
 from flexoffload.measure import probe, profiler, tuning
 from flexoffload.options import spec_types
 from flexoffload.plan import plans
 from flexoffload.plan import costmodel
 from flexoffload.plan.planners import resident_bytes
-from flexoffload.runtime import drafters, spectree, speculate
+from flexoffload.runtime import drafters, server, spectree, speculate
 from flexoffload.api.planning import kv_quantized, plan_for_run
 
 FREE_AUTO = ("ngram-simple", "recycle")  # --spec-type auto's free drafters where they pay, without -md
@@ -136,3 +138,99 @@ def tree_options(r, model, plan) -> spectree.Options:
     return spectree.Options(tree=r.spec == "tree", pacer=r.pacer, adaptive=r.adaptive,
                             adaptive_split=r.adaptive_split, pipeline=r.pipeline, tiled=r.tiled_verify,
                             threshold=r.draft_p_split, max_nodes=r.draft_max, node_s=node_s, hidden_nodes=hidden)
+
+
+# --- serve: llama-server's own speculation -------------------------------------------------------------------------
+
+SERVER_FREE = ("ngram-simple", "ngram-map-k")  # run's free drafters llama-server has, by the same names
+SERVER_DRAFT_N_MAX = 3  # the draft model's tokens a step (llama-server's --spec-draft-n-max default)
+# The draft model's tokens the target accepts a step, each given the one before: llama-speculative with the 0.5B
+# drafting the 1.5B gave 2.7-3.0 tokens a pass at n-max 2 and 4.4-4.8 at n-max 4 (HumanEval 0, 20;
+# results/llmcad_qwen_08.csv): 1 + a + a^2 = 2.83 at a = 0.9. Used only to predict whether a draft model pays.
+SERVER_ACCEPT = 0.9
+
+
+def server_speculation(draft: str | None, free, r) -> server.Speculation:
+    """llama-server's speculation for a draft model's path (None: none) and n-gram types, the longest draft a
+    sequence verifies in one pass from --draft-max: the draft model's (SERVER_DRAFT_N_MAX by default) and an n-gram
+    match's (run's NGRAM_LENGTH by default; llama-server's own 48 would reserve 49 logits rows a sequence). With
+    --rpc a sequence's pass stays under the servers' tiled kernels, as run's trees do (speculate.RPC_NODES)."""
+    ngram_max = r.draft_max or (speculate.RPC_NODES - 1 if r.rpc else drafters.NGRAM_LENGTH)
+    return server.Speculation(draft, (server.DRAFT_TYPE,) * bool(draft) + tuple(free),
+                              r.draft_max or SERVER_DRAFT_N_MAX, ngram_max)
+
+
+def server_tok_s(pass_s: float, n_seq: int, target_token_s: float, n_draft: int = 0,
+                 draft_token_s: float = 0.0) -> float:
+    """The aggregate decode speed of n_seq sequences decoded together, each verifying n_draft draft-model tokens a
+    pass (0: none): a one-token pass by the plan (pass_s) and VERIFY_SHARE of the target's compute a token for each
+    further row, the draft's n_draft steps for each sequence; each sequence gains the tokens a chain of n_draft
+    yields at SERVER_ACCEPT."""
+    rows = n_seq * (1 + n_draft)
+    tokens = n_seq * sum(SERVER_ACCEPT ** k for k in range(n_draft + 1))
+    return tokens / (pass_s + (rows - 1) * spectree.VERIFY_SHARE * target_token_s + n_seq * n_draft * draft_token_s)
+
+
+def for_server(model, r, limit: int | None, n_seq: int, notes: list[str]) -> Drafting:
+    """serve: llama-server's own speculation for n_seq sequences, decided as run decides its own. -md: the draft
+    model (llama-server's draft-simple); --spec-type ngram-simple, ngram-map-k: llama-server's drafters of those names;
+    auto: with -md the draft model, without it ngram-simple where free_pays finds the pass disk-bound. The plan leaves
+    the draft model its memory (its weights, whole, and its context for n_seq sequences) and counts the target's
+    logits rows (each sequence's last token and its longest draft). Where that does not fit, or the target alone is
+    predicted faster (a draft model), the server runs without it and says so: a budget that serves without
+    speculation is never refused for it. Drafting.draft: the draft's path; free: the llama-server n-gram types."""
+    given = spec_types(r.spec_type, r.draft)
+    if r.plan_dir:  # a saved plan was made for run: its memory has no room for the server's rows or draft
+        if r.draft or (given and given != ["auto"]):
+            notes.append(f"flexoffload: the plan in {r.plan_dir} has no room for the server's speculation: the "
+                         f"server runs without it")
+        return Drafting()
+    if "recycle" in given:
+        raise FlexoffloadError("--spec-type recycle is run's own drafter, not llama-server's: serve speculates with "
+                               "ngram-simple, ngram-map-k or a draft model (-md)")
+    if r.draft and r.rpc:
+        raise FlexoffloadError("--rpc and -md: speculation with a draft model runs on this machine only")
+    if given == ["auto"]:
+        free = [] if r.draft or not free_pays(model, r, limit) else ["ngram-simple"]
+    else:
+        free = [n for n in given if n in SERVER_FREE]
+    if not r.draft and not free:
+        return Drafting()
+    draft_model = load(catalog.resolve(r.draft)) if r.draft else None
+    if draft_model is not None and draft_model.n_vocab != model.n_vocab:
+        raise FlexoffloadError(f"the draft's vocabulary ({draft_model.n_vocab} tokens) is not the target's "
+                               f"({model.n_vocab})")
+    speculation = server_speculation(str(draft_model.path) if draft_model else None, free, r)
+    taken = 0
+    if draft_model is not None:  # kept whole (no -ot reaches it), one context of n_seq sequences at the target's -c, -b
+        taken = resident_bytes(draft_model, probe.measure(draft_model, r.n_ctx, r.n_batch, n_seq, n_seq))
+    what = ", ".join(([f"the draft {draft_model.path.name}"] if draft_model else []) + free)
+    try:
+        plan = plan_for_run(model, r, limit, min(r.n_batch, n_seq * speculation.rows), n_seq, taken)
+    except FlexoffloadError as e:
+        if limit is None or (draft_model is not None and r.draft_always):  # the API's draft_always refuses, as run
+            raise
+        notes.append(f"flexoffload: speculation ({what}) does not fit beside the target at this budget ({e}): "
+                     f"the server runs without it")
+        return _server_without_draft(model, r, limit, n_seq, notes, given, bool(draft_model))
+    speculating = Drafting(str(draft_model.path) if draft_model else None, tuple(free), taken, plan, alone=False)
+    if draft_model is None or plan is None or limit is None or r.draft_always:
+        return speculating
+    alone = plan_for_run(model, r, limit, n_seq, n_seq)
+    target_token_s = costmodel.compute_seconds(model, profiler.measure(model, r.n_threads))
+    draft_token_s = costmodel.compute_seconds(draft_model, profiler.measure(draft_model, r.n_threads))
+    predicted = server_tok_s(1 / plan.predicted_tok_s, n_seq, target_token_s, speculation.n_max, draft_token_s)
+    without = server_tok_s(1 / alone.predicted_tok_s, n_seq, target_token_s)
+    if without <= predicted:
+        return speculating
+    notes.append(f"flexoffload: the target alone is predicted faster at this budget ({without:.2f} tok/s for "
+                 f"{n_seq} sequences, with the draft {predicted:.2f}): the server runs without -md")
+    return _server_without_draft(model, r, limit, n_seq, notes, given, True)
+
+
+def _server_without_draft(model, r, limit, n_seq, notes, given, had_draft: bool) -> Drafting:
+    """The server's speculation decided against: auto's n-gram drafter where it pays (a draft model was), else the
+    target alone."""
+    if had_draft and given == ["auto"]:
+        return for_server(model, replace(r, draft=None), limit, n_seq, notes)
+    return Drafting()

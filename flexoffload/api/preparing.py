@@ -195,9 +195,10 @@ def settings_for(w, plan, limit: int | None, model, tree: bool) -> tuple[engine.
     return settings, decode_tok_s
 
 
-def prepare(request, n_seq_max: int = 1) -> Prepared:
+def prepare(request, n_seq_max: int = 1, server: bool = False) -> Prepared:
     """Everything before loading: the model, the budget, the plan, and whether drafting pays at this budget.
     n_seq_max: the sequences decoded together (serve's -np): the plan counts a decode batch and a logits row of each.
+    server: serve's (llama-server speculates its own way, drafting.for_server).
 
     Bad input is a FlexoffloadError here, before any cgroup is made or weight is read."""
     options.check(request)
@@ -218,7 +219,9 @@ def prepare(request, n_seq_max: int = 1) -> Prepared:
     if w.plan_dir:
         w, _ = _saved_decision(w)
     chosen = drafting.Drafting()
-    if w.draft and n_seq_max == 1:
+    if server:  # llama-server's own speculation (Prepared.draft: the draft model, free: its n-gram types)
+        chosen = drafting.for_server(model, w, limit, n_seq_max, notes)
+    elif w.draft and n_seq_max == 1:
         chosen = drafting.with_model(model, load(catalog.resolve(w.draft)), w, limit, notes)
     elif n_seq_max == 1 and options.spec_types(w.spec_type, None):
         chosen = drafting.free(model, w, limit, notes)  # (a tree's prompt is read at -b, as -md's)

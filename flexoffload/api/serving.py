@@ -5,18 +5,27 @@ from __future__ import annotations
 from dataclasses import replace
 
 from flexoffload.runtime import server
+from flexoffload.api.drafting import server_speculation
 from flexoffload.api.running import enforceable, tell
 from flexoffload.api.preparing import prepare
 
 
+def speculation(p) -> server.Speculation | None:
+    """llama-server's own speculation as prepare decided it for a server (drafting.for_server): the draft model
+    (draft-simple) and the n-gram types, their lengths from the request; None where it serves without."""
+    if not p.draft and not p.free:
+        return None
+    return server_speculation(p.draft, p.free, p.request)
+
+
 def serve(request, n_parallel: int, listen, enforce: bool = False, extra: tuple[str, ...] = (), on_ready=None):
     """`flexoffload serve`: llama-server for n_parallel sequences, prepared and planned as `run` is (the plan for that
-    many sequences, the same settings, cgroup and page-cache handling), behind the front (runtime/server.py:
-    listen is its Listen), until SIGINT or SIGTERM. on_ready(port, load_s, prepared, enforced) once it answers;
-    returns server.Served."""
-    p = prepare(replace(request, prompt=request.prompt or " "), n_seq_max=n_parallel)  # a server has no prompt
+    many sequences, the same settings, cgroup and page-cache handling; the speculation run would choose, as
+    llama-server's own), behind the front (runtime/server.py: listen is its Listen), until SIGINT or SIGTERM.
+    on_ready(port, load_s, prepared, enforced) once it answers; returns server.Served."""
+    p = prepare(replace(request, prompt=request.prompt or " "), n_seq_max=n_parallel, server=True)  # no prompt
     tell(p.notes)
     limit = p.limit if enforce and enforceable(p) else None
     ready = (lambda port, load_s: on_ready(port, load_s, p, limit is not None)) if on_ready else None
     return server.serve(str(p.model.path), p.settings, n_parallel, listen, limit, p.limit, extra,
-                        lambda line: tell([line]), ready)
+                        lambda line: tell([line]), ready, speculation(p))

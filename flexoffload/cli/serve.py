@@ -28,6 +28,7 @@ def serve(enforce, n_parallel, host, port, api_key, queue, llama_args, **params)
     request. Runs until Ctrl-C or SIGTERM. Flags after `--` go to llama-server as they are (--jinja,
     --chat-template NAME, --alias, ...)."""
     from flexoffload import FlexoffloadError, api
+    from flexoffload.api.serving import speculation
     from flexoffload.memory.budgets import format_size
     from flexoffload.runtime import server
 
@@ -35,8 +36,7 @@ def serve(enforce, n_parallel, host, port, api_key, queue, llama_args, **params)
         raise FlexoffloadError("-np must be at least 1 and --queue at least 0")
     if not 0 <= port <= 65535:
         raise FlexoffloadError(f"--port must be between 0 and 65535, not {port}")
-    # a server does not speculate yet: its plan counts no tree
-    request = options.Request(prompt=" ", spec_type="none", **options.request_fields(params))
+    request = options.Request(prompt=" ", **options.request_fields(params))
     ctx_size = request.n_ctx
     hosts = tuple(h.strip() for h in host.split(",") if h.strip())
     listen = server.Listen(hosts=hosts, port=port, api_key=api_key or None, queue=queue)
@@ -47,6 +47,8 @@ def serve(enforce, n_parallel, host, port, api_key, queue, llama_args, **params)
         if plan is not None:
             how += f" (resident {format_size(plan.memory.resident)}, predicted {plan.predicted_tok_s:.2f} tok/s a pass)"
         budget = f", budget {format_size(prepared.limit)}" if prepared.limit else ""
+        spec = speculation(prepared)
+        how += f", {spec.describe()}" if spec else ", no speculation"
         held = " enforced" if enforced else ""
         url_host = f"[{hosts[0]}]" if ":" in hosts[0] else hosts[0]
         name = prepared.model.path.name

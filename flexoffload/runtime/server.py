@@ -2,8 +2,9 @@
 
 The server is llama.cpp's own (tools/server: its slots, continuous batching, chat templates, OpenAI endpoints). It
 starts with the run's engine.Settings turned into its flags (the plan's `-ot` lines, -c, -b, -t, the KV types,
---rpc) and the streaming runtime's settings in its environment (LLAMA_STREAM_*), in a memory cgroup at the budget
-where one is asked for, and listens on a unix socket in a private temporary folder: only the front reaches it.
+--rpc), its own speculation where prepare chose it (Speculation: -md, --spec-type) and the streaming runtime's
+settings in its environment (LLAMA_STREAM_*), in a memory cgroup at the budget where one is asked for, and listens
+on a unix socket in a private temporary folder: only the front reaches it.
 This module runs that process and the serve's life (listen, load, serve, stop); the front forwards the requests.
 """
 
@@ -24,6 +25,7 @@ from pathlib import Path
 
 from flexoffload import FlexoffloadError
 from flexoffload.memory.budgets import MemoryCgroup
+from flexoffload.runtime.drafters import MAP_K_SIZE, NGRAM_SIZES
 from flexoffload.runtime.engine import Settings, drop_file_cache, raise_memlock_limit
 
 QUEUE = 32  # requests that may wait for a slot beyond the N generating (--queue)
@@ -34,7 +36,58 @@ OWN_FLAGS = frozenset({
     "-m", "--model", "-c", "--ctx-size", "-np", "--parallel", "--host", "--port", "--api-key", "--api-key-file",
     "-ot", "--override-tensor", "-lm", "--load-mode", "--mlock", "--no-mmap", "--mmap", "-t", "--threads", "--rpc",
     "-ngl", "--n-gpu-layers", "-kvu", "--kv-unified", "-no-kvu", "--no-kv-unified", "--kv-unified-per-slot",
-    "-fit", "--fit"})
+    "-fit", "--fit",
+    # speculation (serve's -md, --spec-type, --draft-max): the draft's memory and the target's logits rows are planned
+    "-md", "--model-draft", "--spec-draft-model", "-hfd", "-hfrd", "--spec-draft-hf", "--hf-repo-draft",
+    "--spec-type", "--spec-draft-n-max", "-ngld", "--spec-draft-ngl", "--gpu-layers-draft", "--n-gpu-layers-draft",
+    "-devd", "--spec-draft-device", "--device-draft", "-ctkd", "--spec-draft-type-k", "--cache-type-k-draft",
+    "-ctvd", "--spec-draft-type-v", "--cache-type-v-draft", "-otd", "--spec-draft-override-tensor",
+    "--override-tensor-draft", "--spec-ngram-simple-size-n", "--spec-ngram-simple-size-m",
+    "--spec-ngram-map-k-size-n", "--spec-ngram-map-k-size-m"})
+
+# llama-server's n-gram drafters, given the keys of run's drafters of the same name (runtime/drafters.py): its own
+# defaults (a 12-token key) find a match only in long verbatim repeats
+NGRAM_KEYS = {"ngram-simple": max(NGRAM_SIZES), "ngram-map-k": MAP_K_SIZE}
+DRAFT_TYPE = "draft-simple"  # llama-server's speculation by a draft model (-md alone loads it and drafts nothing)
+
+
+@dataclass(frozen=True)
+class Speculation:
+    """llama-server's own speculation: a draft model kept resident (draft: its path, None: none) and the --spec-type
+    list (draft-simple for the draft model, ngram-simple, ngram-map-k); n_max: the draft model's tokens a step
+    (--spec-draft-n-max), ngram_max: an n-gram match's (the m-gram size). A sequence's verification pass holds
+    1 + the larger of them rows."""
+    draft: str | None
+    types: tuple[str, ...]
+    n_max: int = 3
+    ngram_max: int = 16
+
+    @property
+    def rows(self) -> int:
+        """Tokens a sequence's verification pass holds at most: its last token and the longest draft."""
+        lengths = [self.n_max] * (DRAFT_TYPE in self.types) + [self.ngram_max] * any(t in NGRAM_KEYS
+                                                                                  for t in self.types)
+        return 1 + max(lengths, default=0)
+
+    def describe(self) -> str:
+        """What speculates, for the ready line."""
+        parts = [f"{Path(self.draft).name} drafts {self.n_max}"] if self.draft else []
+        parts += [f"{t} up to {self.ngram_max}" for t in self.types if t in NGRAM_KEYS]
+        return "speculating: " + ", ".join(parts) + " tokens a step"
+
+    def args(self, settings: Settings) -> list[str]:
+        """llama-server's flags: the draft kept whole in memory on this machine (-ngld 0, -devd none: no -ot of the
+        target's reaches it), its KV cache of the target's types; always --spec-type (with -md alone llama-server
+        loads the draft, finds no type that uses it and frees it)."""
+        args = []
+        if self.draft:
+            args += ["-md", self.draft, "--spec-draft-n-max", str(self.n_max), "-ngld", "0", "-devd", "none",
+                     "-ctkd", settings.type_k, "-ctvd", settings.type_v]
+        for name, key in NGRAM_KEYS.items():
+            if name in self.types:
+                flag = name.replace("ngram-", "--spec-ngram-")
+                args += [f"{flag}-size-n", str(key), f"{flag}-size-m", str(self.ngram_max)]
+        return args + ["--spec-type", ",".join(self.types)]
 
 
 @dataclass(frozen=True)
@@ -47,8 +100,9 @@ class Listen:
 
 
 def llama_server_args(model: str, settings: Settings, n_parallel: int, socket_path: str,
-                      extra: tuple[str, ...] = ()) -> list[str]:
-    """llama-server's flags for a run's settings, serving n_parallel sequences that share settings.n_ctx cells.
+                      extra: tuple[str, ...] = (), speculation: Speculation | None = None) -> list[str]:
+    """llama-server's flags for a run's settings, serving n_parallel sequences that share settings.n_ctx cells;
+    speculation: llama-server's own (None: none).
 
     Each sequence has its own -c / N cells (llama-server's default without --kv-unified): together never more than the
     plan counted, a request too long for its share is a 400 before it runs, and a sequence's cells stay in the order
@@ -79,15 +133,22 @@ def llama_server_args(model: str, settings: Settings, n_parallel: int, socket_pa
         args += ["--rpc", ",".join(settings.rpc)]
     if settings.tensor_split:
         args += ["-ts", ",".join(f"{x:g}" for x in settings.tensor_split)]
+    if speculation is not None:
+        args += speculation.args(settings)
     if not {"-a", "--alias"} & {f.split("=", 1)[0] for f in extra}:  # the model's name in /v1/models, unless given
         args += ["--alias", Path(model).stem]
     return args + list(extra)
 
 
-def environment(settings: Settings) -> dict[str, str]:
+def environment(settings: Settings, speculation: Speculation | None = None) -> dict[str, str]:
     """The streaming runtime's settings as the patched llama.cpp reads them from the environment (patches 0002,
-    0007), what engine.Engine sets through the C API (stream.configure)."""
+    0007), what engine.Engine sets through the C API (stream.configure); and the kernels speculation needs."""
     env = {}
+    if speculation is not None:
+        # a verification pass holds 1 + n_max rows of a sequence; with the tiled kernels (K-quants from 8 rows, patch
+        # 0009) those rows round otherwise than the one-row passes the target alone decodes in, and a near tie can
+        # flip a greedy token: row-by-row kernels keep speculation's output the target's (as run's verification is)
+        env["GGML_CPU_TILED_MM"] = "0"
     if settings.strategy != "mmap":
         env.update(LLAMA_STREAM_WINDOW=str(settings.window), LLAMA_STREAM_IO_THREADS=str(settings.io_threads),
                    LLAMA_STREAM_CHUNK_BYTES=str(settings.chunk_bytes),
@@ -189,6 +250,15 @@ class Child:
             self.cgroup = None
 
 
+def speculation_refused(log) -> str | None:
+    """Why llama-server dropped its speculation, from its log (a draft whose vocabulary is not the target's is only
+    logged, and the server then serves without speculating); None where it kept it."""
+    for line in log:
+        if "failed to initialize speculative decoding" in line:
+            return line.strip()
+    return None
+
+
 FOLDER_PREFIX = "flexoffload-serve-"
 
 
@@ -210,7 +280,8 @@ class Served:
 
 
 async def _serve(model: str, settings: Settings, n_parallel: int, listen: Listen, cgroup_limit: int | None,
-                 budget: int | None, extra: tuple[str, ...], echo, on_ready) -> Served:
+                 budget: int | None, extra: tuple[str, ...], echo, on_ready,
+                 speculation: Speculation | None) -> Served:
     """serve's life: listen, start llama-server and wait until it answers, serve until a signal, then stop in order
     (the front first: its requests are answered and their upstream connections closed; then llama-server)."""
     from flexoffload import native
@@ -229,7 +300,8 @@ async def _serve(model: str, settings: Settings, n_parallel: int, listen: Listen
     child = front = None
     try:
         socket_path = str(Path(tmp) / "llama.sock")
-        cmd = [str(native.tool("llama-server")), *llama_server_args(model, settings, n_parallel, socket_path, extra)]
+        cmd = [str(native.tool("llama-server")), *llama_server_args(model, settings, n_parallel, socket_path, extra,
+                                                                    speculation)]
         front = Front(socket_path, n_parallel, listen, budget)
         try:  # bound first: a port in use is an error before the model loads
             port = await front.open()
@@ -238,7 +310,7 @@ async def _serve(model: str, settings: Settings, n_parallel: int, listen: Listen
                                    f"{e.strerror or e}") from None
         if settings.strategy != "mmap":
             raise_memlock_limit()
-        child = front.child = Child(cmd, environment(settings), cgroup_limit, settings.verbose)
+        child = front.child = Child(cmd, environment(settings, speculation), cgroup_limit, settings.verbose)
         t0 = time.perf_counter()
         while not await front.upstream_healthy():
             if child.proc.poll() is not None:
@@ -251,6 +323,9 @@ async def _serve(model: str, settings: Settings, n_parallel: int, listen: Listen
             drop_file_cache(model)
         front.counts.read_base = child.disk_read_bytes()
         front.ready = True
+        refused = speculation_refused(child.log) if speculation else None
+        if refused and echo:
+            echo(f"flexoffload: llama-server serves without speculation: {refused}")
         if on_ready:
             on_ready(port, time.perf_counter() - t0)
         while not stop.is_set():
@@ -271,8 +346,11 @@ async def _serve(model: str, settings: Settings, n_parallel: int, listen: Listen
 
 
 def serve(model: str, settings: Settings, n_parallel: int, listen: Listen, cgroup_limit: int | None = None,
-          budget: int | None = None, extra: tuple[str, ...] = (), echo=None, on_ready=None) -> Served:
+          budget: int | None = None, extra: tuple[str, ...] = (), echo=None, on_ready=None,
+          speculation: Speculation | None = None) -> Served:
     """Serve model by settings to n_parallel sequences until SIGINT or SIGTERM, then stop llama-server, remove its
     cgroup and temporary folder. cgroup_limit: llama-server's memory cgroup (None: none); budget: the --mem it
-    plans for (reported in /metrics); extra: llama-server's own flags; on_ready(port, load_s) once it answers."""
-    return asyncio.run(_serve(model, settings, n_parallel, listen, cgroup_limit, budget, extra, echo, on_ready))
+    plans for (reported in /metrics); extra: llama-server's own flags; on_ready(port, load_s) once it answers;
+    speculation: llama-server's own (None: none)."""
+    return asyncio.run(_serve(model, settings, n_parallel, listen, cgroup_limit, budget, extra, echo, on_ready,
+                              speculation))
