@@ -54,7 +54,11 @@ class Serving:
 
         threading.Thread(target=read, daemon=True).start()
         if wait:
-            self.wait_ready(timeout)
+            try:
+                self.wait_ready(timeout)
+            except BaseException:  # a test that fails here never reaches __exit__: no serve is left behind
+                self.proc.kill()  # (its llama-server dies with it: setpriv --pdeathsig)
+                raise
 
     def wait_ready(self, timeout: float = 600) -> None:
         """Wait for the ready line: the port it names, llama-server's pid and socket folder."""
