@@ -150,7 +150,7 @@ OPTIONS: tuple[Option, ...] = (
            "placed now with --mem (cpu=SIZE,rpc0=SIZE,...)", STREAMING, "placement",
            metavar="HOST:PORT,..."),
     Option("n_gpu_layers", ("-ngl", "--n-gpu-layers"), 0, "with --rpc: the last layers to offload to the servers, "
-           "each with its KV cache (llama.cpp's -ngl)", ("run", "serve"), "placement", minimum=0),
+           "each with its KV cache (llama.cpp's -ngl)", STREAMING, "placement", minimum=0),
     Option("placement", ("--placement",), "auto", "with --rpc and --mem: how weights are placed across the "
            "devices", STREAMING, "placement", choices=tuple(PLACEMENTS), key="policy"),
     # precision: lowered types, predicted neurons
@@ -245,6 +245,8 @@ def _check_placement(p) -> None:
 def _check_precision(q) -> None:
     if q.mode not in (None, "auto"):
         raise FlexoffloadError(f"--precision takes auto (the file's own types: leave it out), not {q.mode}")
+    if q.sparsity is not None and q.mode:
+        return  # both: a rule across them says why not
     if q.sparsity is not None:
         if levels.parse(q.sparsity) != "auto" and q.max_kld is not None:
             raise FlexoffloadError("--max-kld goes with --sparsity auto (or --precision auto)")
@@ -305,10 +307,6 @@ class Rule:
     reason: str
 
 
-def _kv_quantized(r) -> bool:
-    return (r.cache_type_k, r.cache_type_v) != ("f16", "f16")
-
-
 def _free_given(r) -> bool:
     free = spec_types(r.spec_type, r.draft)
     return bool(free) and free != ["auto"]
@@ -321,19 +319,19 @@ RULES: tuple[Rule, ...] = (
          "plan or a placement across devices was made for another file"),
     Rule(lambda r: r.sparsity is not None and bool(r.precision or r.draft or r.rpc or r.plan_dir or r.chat),
          "--sparsity: not with --precision, -md, --rpc, --plan or -cnv",
-         "a sparsity level is its own grouped file run through the expert-selective path; each of a tree's tokens "
-         "reads its own groups (measured not to pay, docs/neurons.md)"),
-    Rule(lambda r: bool(r.draft) and bool(r.n_ubatch or r.flash_attn != "auto" or _kv_quantized(r)),
-         "-ub, -fa, -ctk and -ctv are for a run without -md", "not yet built: speculation's contexts are made "
-         "with llama.cpp's defaults for these"),
-    Rule(lambda r: bool(r.chat and r.draft), "-cnv and -md: a conversation runs the model alone",
-         "not yet built: a conversation's turns keep one model's cache"),
-    Rule(lambda r: not r.draft and _free_given(r) and bool(r.n_ubatch or r.flash_attn != "auto" or _kv_quantized(r)
-                                                          or r.chat or r.rpc),
-         "--spec-type with free drafters: not with -ub, -fa, -ctk, -ctv, -cnv or --rpc",
-         "not yet built: speculation's contexts are made with llama.cpp's defaults for these"),
+         "a level is its own grouped file run through the expert-selective path: each of a tree's tokens reads its "
+         "own groups (measured not to pay on the 1.5B, docs/neurons.md); with --rpc, --plan or -cnv it is not built"),
+    Rule(lambda r: (bool(r.draft) or _free_given(r)) and r.flash_attn == "off",
+         "speculation (-md, --spec-type) verifies its trees with flash attention: not with -fa off",
+         "without flash attention llama.cpp computes attention for a pass of 2 or more tokens with llamafile's "
+         "sgemm and for one token with vec_dot, which round differently (the 1.5B's logits 0.62 apart): a tree's "
+         "greedy tokens would not be the target's own"),
+    Rule(lambda r: (bool(r.draft) or _free_given(r)) and (r.n_ubatch == 1 or r.n_batch < 2),
+         "speculation (-md, --spec-type) verifies trees of 2 tokens or more a pass: -b and -ub at least 2",
+         "a tree is verified in one forward pass"),
     Rule(lambda r: bool(r.rpc and r.draft), "--rpc and -md: speculation with a draft model runs on this machine only",
-         "the draft model and the target's placement across devices would share the RPC links each step"),
+         "not built: the draft's placement beside the target's on the servers (free drafters do run with --rpc, "
+         "their trees kept under the servers' tiled kernels' 8 rows)"),
 )
 
 
