@@ -149,3 +149,43 @@ def test_the_real_model_s_plan_then_run_by_it_is_run_under_the_budget(real_model
     b = json.loads(cli("run", *flags, *run, check=True).stdout)
     assert a["tokens"] == b["tokens"] and a["plan"]["policy"] == b["plan"]["policy"]
     assert a.get("spec", {}).get("types") == b.get("spec", {}).get("types")  # the drafting decided the same
+
+
+def _minimum(flags: list[str]) -> str:
+    """The least --mem the run with these flags accepts, as its refusals name it (from 1 MiB up: a long prompt's
+    ubatch check names a smaller need than its plan's, which then names its own)."""
+    import re
+
+    from flexoffload import FlexoffloadError
+
+    mem = "1M"
+    for _ in range(3):
+        try:
+            api.prepare(request_from_args([*flags, "--mem", mem]))
+            return mem
+        except FlexoffloadError as e:
+            found = re.search(r"(?:the minimum is|it needs) ([0-9.]+ [MG]iB)", str(e))
+            assert found, str(e)
+            mem = found.group(1).replace(" MiB", "M").replace(" GiB", "G")
+    raise AssertionError(f"no budget found for {flags}")
+
+
+@pytest.mark.parametrize("shape,prompt", [
+    (DENSE, "a b c d"),  # a dense model
+    (synth.SHAPES["gemma3-tiny-256k"], "a b c d"),  # tied embeddings and a 256k vocabulary: large logits rows
+    (DENSE, " ".join(f"w{i}" for i in range(120))),  # a long prompt (over 256 tokens): its ubatch chosen under the budget
+], ids=["dense", "tied-256k", "long-prompt"])
+def test_the_default_never_refuses_a_budget_the_run_alone_accepts(shape, prompt, cache, tmp_path):
+    """At the least budget the run without speculation accepts, the default (--spec-type auto) runs too: alone,
+    saying why on stderr, where the drafters' rows and tables do not fit (the 256k-vocabulary model's logits rows
+    alone are 1 MiB each)."""
+    m = load(synth.write(tmp_path / "model.gguf", shape))
+    flags = ["-m", str(m.path), "-p", prompt, "-c", "512", "-t", "2", "--strategy", "stream"]
+    least = _minimum([*flags, "--spec-type", "none"])
+    alone = api.prepare(request_from_args([*flags, "--spec-type", "none", "--mem", least]))
+    auto = api.prepare(request_from_args([*flags, "--mem", least]))  # the default: must not refuse
+    assert auto.limit == alone.limit and auto.plan is not None
+    if auto.spec_type == "none":
+        assert auto.plan.memory.total <= auto.limit
+    else:  # where they fit, their rows and tables are in the plan
+        assert auto.draft_bytes > 0 and auto.plan.memory.total <= auto.limit

@@ -51,7 +51,10 @@ def free_pays(model, r, limit: int | None) -> bool:
     if (limit is None or r.strategy != "stream" or r.plan_dir or r.rpc or r.chat or r.n_ubatch
             or r.flash_attn != "auto" or kv_quantized(r) or model.n_expert):
         return False
-    alone = plan_for_run(model, r, limit)
+    try:
+        alone = plan_for_run(model, r, limit)
+    except FlexoffloadError:  # a budget only the long prompt's own ubatch fits: not one for a tree either
+        return False
     if alone is None or alone.policy == tuning.MMAP or not plans.streamed_bytes(alone, model):
         return False
     return 1 / alone.predicted_tok_s > FREE_PAYS * costmodel.compute_seconds(model, profiler.measure(model, r.n_threads))
