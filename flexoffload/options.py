@@ -144,7 +144,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("pipeline", ("--pipeline/--no-pipeline",), False, "draft on while the target verifies, under "
            "SCHED_IDLE (within noise on 2 cores: off by default)", ("run",), "draft"),
     Option("draft_always", ("--draft-always",), False, "speculate even where the target alone is predicted faster "
-           "at --mem [default: run it alone]", ("run",), "draft", is_flag=True, key="always"),
+           "at --mem [default: run it alone]", ("run", "plan"), "draft", is_flag=True, key="always"),
     # placement: RPC servers
     Option("rpc", ("--rpc",), None, "RPC servers (ggml-rpc-server) to place weights on: by --plan, by -ngl, or "
            "placed now with --mem (cpu=SIZE,rpc0=SIZE,...)", STREAMING, "placement",

@@ -154,8 +154,7 @@ def test_a_pair_runs_as_the_reference_or_is_refused_by_a_rule(a, b, models, requ
     flags, how = _flags((a, b), models, request.getfixturevalue("endpoint") if "rpc" in (a, b) else None)
     model = how["model"]
     if how["plan"]:
-        plan_flags = [f for f in flags if f not in ("--draft-always",)]
-        made = cli("plan", "-m", str(model), *plan_flags, "-o", str(tmp_path / "plan"))
+        made = cli("plan", "-m", str(model), *flags, "-o", str(tmp_path / "plan"))
         if made.returncode != 0:
             RESULTS[(a, b)] = "refused: " + _refused(made.stderr)
             return
