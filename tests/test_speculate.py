@@ -207,7 +207,11 @@ def test_real_greedy_speculation_equals_the_target_streaming_alone(real_model, d
 
 @pytest.mark.integration
 def test_real_speculation_refuses_a_budget_the_draft_leaves_too_little_of(real_model, draft_model):
-    r = cli("run", "-m", str(real_model), "-md", str(draft_model), "-p", "x", "--mem", "0.5x")
+    """Where the draft leaves the target too little of the budget, -md runs the target alone and says why;
+    --draft-always refuses instead, naming the minimum."""
+    r = cli("run", "-m", str(real_model), "-md", str(draft_model), "-p", "x", "-n", "2", "--mem", "0.5x", "--json")
+    assert r.returncode == 0 and "does not fit beside the target" in r.stderr and "draft" not in json.loads(r.stdout)
+    r = cli("run", "-m", str(real_model), "-md", str(draft_model), "-p", "x", "--mem", "0.5x", "--draft-always")
     assert r.returncode != 0
     assert "minimum" in r.stderr and "Traceback" not in r.stderr
 
