@@ -92,3 +92,33 @@ def write_gguf(path: Path, arch: str, tensors: bool = True) -> Path:
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def tail_logits_apart(e, toks: list[int], n: int) -> float:
+    """How far the last token's logits from one pass over toks[n:] (the tiled K-quant kernels off, as a verification
+    pass runs) lie from those of one-token passes over the same tokens; toks[:n] decoded first in passes of 64."""
+    import numpy as np
+
+    from flexoffload.runtime import speculate
+
+    lib, mem = e.lib, e.lib.llama_get_memory(e.ctx)
+
+    def prefix() -> None:
+        lib.llama_memory_clear(mem, True)
+        for i in range(0, n, 64):
+            e._decode(toks[i:min(i + 64, n)])
+
+    prefix()
+    for t in toks[n:]:
+        e._decode([t])
+    single = e.last_logits()
+    prefix()
+    batch = speculate._Batch(lib, len(toks) - n, 1)
+    batch.fill([(t, n + i, [0], True) for i, t in enumerate(toks[n:])])
+    native.set_tiled_matmul(0)
+    try:
+        assert lib.llama_decode(e.ctx, batch.batch) == 0
+    finally:
+        native.set_tiled_matmul(-1)
+        batch.free()
+    return float(np.abs(e.last_logits() - single).max())

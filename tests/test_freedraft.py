@@ -13,7 +13,7 @@ from flexoffload.runtime import drafters, engine, speculate
 from flexoffload.runtime.drafters import NgramMapK, NgramSimple, Proposal, Recycle
 from flexoffload.runtime.spectree import Options
 
-from conftest import cli
+from conftest import cli, tail_logits_apart
 
 
 # --- the drafters, in pure Python -------------------------------------------------------------------------------
@@ -466,35 +466,14 @@ def test_free_drafters_with_tensors_on_an_rpc_server_give_the_target_alones_toke
 
 
 def _real_rpc_passes(model_path: str, endpoint: str) -> None:
-    from flexoffload import native
-
     settings = speculate.target_settings(engine.Settings(n_ctx=512, n_batch=64, temp=0.0, strategy="mmap",
                                                          rpc=(endpoint,), n_gpu_layers=4))
     _, prompt = edit.prompts("tuning", 1)[0]
     with engine.Engine(model_path, settings) as e:
-        lib, mem = e.lib, e.lib.llama_get_memory(e.ctx)
         toks = e.tokenize(prompt)[:200]
 
         def apart(n_pass: int) -> float:
-            n = len(toks) - n_pass
-            lib.llama_memory_clear(mem, True)
-            for i in range(0, n, 64):
-                e._decode(toks[i:min(i + 64, n)])
-            for t in toks[n:]:
-                e._decode([t])
-            single = e.last_logits()
-            lib.llama_memory_clear(mem, True)
-            for i in range(0, n, 64):
-                e._decode(toks[i:min(i + 64, n)])
-            batch = speculate._Batch(lib, n_pass, 1)
-            batch.fill([(t, n + i, [0], True) for i, t in enumerate(toks[n:])])
-            native.set_tiled_matmul(0)
-            try:
-                assert lib.llama_decode(e.ctx, batch.batch) == 0
-            finally:
-                native.set_tiled_matmul(-1)
-                batch.free()
-            return float(np.abs(e.last_logits() - single).max())
+            return tail_logits_apart(e, toks, len(toks) - n_pass)
 
         assert apart(speculate.RPC_NODES) == 0
         assert apart(speculate.RPC_NODES + 1) > 0

@@ -18,7 +18,7 @@ from flexoffload.gguf import synth
 from flexoffload.gguf.model import load
 from flexoffload.runtime.spectree import Options
 
-from conftest import cli
+from conftest import cli, tail_logits_apart
 
 ALL_OPTIONS = {
     "tree": Options(),
@@ -379,34 +379,14 @@ def test_real_verification_is_bit_exact_with_flash_attention_and_not_without(rea
     kernels) equal a one-token pass's with flash attention (f16 or q8_0 cache, any ubatch), and differ without it
     (its K*Q and V*softmax matmuls take llamafile's sgemm from 2 rows, vec_dot for 1); with -ub 1 they agree again
     (every row its own pass), which is no tree."""
-    import numpy as np
-
-    from flexoffload import native
 
     def logits_apart(**kinds) -> float:
         settings = speculate.target_settings(engine.Settings(n_ctx=512, n_batch=64, temp=0.0, strategy="mmap",
                                                              **kinds))
         with engine.Engine(real_model, settings) as e:
-            lib, mem = e.lib, e.lib.llama_get_memory(e.ctx)
             toks = e.tokenize(PROMPTS[0])
             toks += e.generate(PROMPTS[0], 8).tokens
-            n = len(toks) - 2
-            lib.llama_memory_clear(mem, True)
-            e._decode(toks[:n])
-            e._decode([toks[n]])
-            e._decode([toks[n + 1]])
-            single = e.last_logits()
-            lib.llama_memory_clear(mem, True)
-            e._decode(toks[:n])
-            batch = speculate._Batch(lib, 2, 1)
-            batch.fill([(t, n + i, [0], True) for i, t in enumerate(toks[n:])])
-            native.set_tiled_matmul(0)
-            try:
-                assert lib.llama_decode(e.ctx, batch.batch) == 0
-            finally:
-                native.set_tiled_matmul(-1)
-                batch.free()
-            return float(np.abs(e.last_logits() - single).max())
+            return tail_logits_apart(e, toks, len(toks) - 2)
 
     assert logits_apart() == 0
     assert logits_apart(type_k="q8_0", type_v="q8_0", n_ubatch=2) == 0
