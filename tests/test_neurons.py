@@ -4,7 +4,7 @@ oracle, and a planted structure the linear predictor must find."""
 import numpy as np
 import pytest
 
-from flexoffload.measure import neurons
+from flexoffload.measure import layerstudy, neurons
 
 N_EMBD = 256
 N_FF = 512
@@ -136,7 +136,7 @@ def test_bytes_of_a_known_layout():
 def test_study_of_a_layer_runs_its_grid():
     x, h, down, _ = planted(600)
     gate = np.random.default_rng(3).standard_normal((N_FF, N_EMBD)).astype(np.float32) / 16
-    study = neurons.Study(groups=(1, 32, 64), hots=(0, 64), ranks=(0, 16), kept_shares=(0.5, 1.0),
+    study = layerstudy.Study(groups=(1, 32, 64), hots=(0, 64), ranks=(0, 16), kept_shares=(0.5, 1.0),
                           coactivation_min=64, coactivation_hots=(64,), neuron_ranks=(16,))
     rows = study.layer(0, x, h, gate, down)
     assert {(r.layout, r.G, r.n_hot) for r in rows} == {("hot-first", 1, 0), ("hot-first", 32, 0), ("hot-first", 32, 64),
@@ -161,7 +161,7 @@ def test_routed_rows_of_a_given_split():
     contrib = np.abs(h) * np.linalg.norm(down, axis=0)
     mass = neurons.group_mass(contrib, layout)
     router = neurons.fit_linear(x[:960], mass[:960]).weights.T  # (n_groups, n_embd), no intercept: as a file's
-    rows = neurons.routed_rows(0, x, h, down, layout, router, (4, 8, 16))
+    rows = layerstudy.routed_rows(0, x, h, down, layout, router, (4, 8, 16))
     assert [r.k for r in rows] == [4, 8, 16]
     assert rows[0].rel_err > rows[1].rel_err > rows[2].rel_err and rows[2].rel_err < 1e-5
     assert rows[1].kept_bytes_share == 0.5 and rows[1].recall > 0.6
