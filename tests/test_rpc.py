@@ -4,6 +4,8 @@ errors, links held to their rate."""
 
 import dataclasses
 import json
+import os
+import shutil
 import socket
 import subprocess
 import threading
@@ -113,8 +115,7 @@ def _placed_plan(model_path, directory, endpoint, layers):
 def one_machine():
     with rpc.Machines(1, memory=512 << 20, rate="1gbit") as machines:
         yield machines
-    assert not [n for n in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
-                if n.startswith(rpc.PREFIX)], "a namespace was left behind"
+    assert not {ns for ns, _, _ in machines.names} & set(rpc.namespaces()), "a namespace was left behind"
 
 
 def test_tensors_placed_on_an_rpc_machine_give_the_same_tokens(tmp_path, one_machine):
@@ -179,7 +180,7 @@ def test_a_link_is_held_to_its_rate_both_ways_and_timed_over_it():
     n_bytes, repeats = 2 << 20, 2
     with rpc.Machines(1, memory=256 << 20, rate="100mbit") as machines:
         endpoint = machines.endpoints[0]
-        host_end, namespace, peer = f"{rpc.PREFIX}0h", f"{rpc.PREFIX}0", f"{rpc.PREFIX}0n"
+        namespace, host_end, peer = machines.names[0]
         for cmd in (["tc", "qdisc", "show", "dev", host_end],
                     ["ip", "netns", "exec", namespace, "tc", "qdisc", "show", "dev", peer]):
             shown = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
@@ -193,3 +194,60 @@ def test_a_link_is_held_to_its_rate_both_ways_and_timed_over_it():
         assert devices.probe_rpc(endpoint)  # the server is well after it, its buffer freed
         out = cli("devices", "--rpc", endpoint, "--links", "--json", check=True).stdout
         assert json.loads(out)["links"][0]["endpoint"] == endpoint
+
+
+def _netns_usable() -> bool:
+    """Whether this process may make network namespaces (`ip netns` present, root)."""
+    if shutil.which("ip") is None or os.geteuid() != 0:
+        return False
+    return subprocess.run(["ip", "netns", "list"], capture_output=True).returncode == 0
+
+
+@pytest.fixture
+def namespaces_not_its_own():
+    """Namespaces named like the machines' that Machines did not make, each with a process in it: another tool's
+    (fo-rpc0, as machines' were once named; fo-rpc-bench) and another running maker's (pid 1's name: it always
+    runs); and one a maker that no longer runs left (this process's pid with another start time: a pid given again),
+    which clean() does remove. {name: the process in it}; all removed afterwards."""
+    if not _netns_usable():
+        pytest.skip("`ip netns` is not usable here (not root, or no iproute2)")
+    start = int(rpc._owner(os.getpid()).split(".")[1])
+    names = ["fo-rpc0", "fo-rpc-bench", f"{rpc.PREFIX}-{rpc._owner(1)}-0-0",
+             f"{rpc.PREFIX}-{os.getpid()}.{start + 1}-0-0"]
+    made: dict[str, subprocess.Popen] = {}
+    try:
+        for ns in names:
+            if ns in rpc.namespaces():
+                pytest.skip(f"namespace {ns} exists already")
+            subprocess.run(["ip", "netns", "add", ns], check=True, capture_output=True)
+            made[ns] = subprocess.Popen(["ip", "netns", "exec", ns, "sleep", "600"])
+        yield made
+    finally:
+        for ns, proc in made.items():
+            proc.kill()
+            proc.wait()
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+def test_clean_removes_only_what_a_maker_that_no_longer_runs_left(namespaces_not_its_own):
+    """Machines' exit and clean() (scripts/rpc_machines down) remove the namespaces of their own set and of a maker
+    that no longer runs, their processes killed; another tool's namespace and another running maker's, though named
+    with the same prefix, are left as they are, their processes running (before: every fo-rpc* namespace's processes
+    were killed and the namespace deleted)."""
+    *foreign, stale = namespaces_not_its_own
+    with rpc.Machines(1, memory=256 << 20, rate="1gbit") as machines:
+        own = machines.names[0][0]
+        assert devices.probe_rpc(machines.endpoints[0])
+        present = rpc.namespaces()
+        assert own in present and stale not in present, present  # entering cleared what a dead maker left
+        assert all(ns in present for ns in foreign), present
+    assert rpc.clean() == []
+    present = rpc.namespaces()
+    assert own not in present and all(ns in present for ns in foreign), present
+    for ns in foreign:
+        proc = namespaces_not_its_own[ns]
+        assert proc.poll() is None, f"the process in {ns} was killed"
+        pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()
+        assert str(proc.pid) in pids
+    killed = namespaces_not_its_own[stale]
+    assert killed.wait(timeout=10) == -9  # the dead maker's server, killed with its namespace

@@ -9,24 +9,32 @@ machine's cores with the client).
     with Machines(2, memory=640 << 20, rate="1gbit") as machines:
         machines.endpoints  # ['10.77.0.2:50052', '10.77.1.2:50052']
 
-Everything made is removed on exit, and by `clean()` after a crash (scripts/rpc_machines down). One set of machines
-at a time (a new one clears what an old one left). Needs root.
+Everything made is removed on exit. A namespace's name says which process made it (its pid and start time):
+`clean()` (scripts/rpc_machines down) removes those whose maker no longer runs (a crash: no exit ran) and nothing
+else, so two sets of machines (two test sessions) live side by side, and a namespace another tool named alike is
+left alone. Needs root.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
+import re
 import subprocess
 import time
+from pathlib import Path
 
 from flexoffload import FlexoffloadError
 from flexoffload.memory.budgets import MemoryCgroup
 from flexoffload.native import SPIN_COUNT
 from flexoffload.native.devices import RPC_PORT, probe_rpc
 
-PREFIX = "fo-rpc"  # namespaces fo-rpc0..., host-side veth ends fo-rpc0h..., their peers fo-rpc0n...
-SUBNET = "10.77"  # machine i is 10.77.i.2, the host's end of its link 10.77.i.1
+# namespaces fo-rpc-PID.START-K-i: the maker's pid and start time, K its process's count of Machines, i the machine
+PREFIX = "fo-rpc"
+NAMESPACE = re.compile(rf"^{re.escape(PREFIX)}-(?P<pid>\d+)\.(?P<start>\d+)-\d+-\d+$")
+SUBNET = "10.77"  # each machine's link a 10.77.k.0/24 no address of the host is in: the host's end .1, the machine .2
 START_TIMEOUT = 20.0
+_made = itertools.count()  # this process's Machines
 
 
 def _run(*args: str, netns: str | None = None) -> None:
@@ -37,24 +45,55 @@ def _run(*args: str, netns: str | None = None) -> None:
         raise FlexoffloadError(f"`{' '.join(cmd)}` failed: {r.stderr.strip()}")
 
 
-def clean() -> None:
-    """Remove every namespace and link a Machines left behind (their servers die with their namespace's kill)."""
-    names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
-    for ns in [n for n in names if n.startswith(PREFIX)]:
-        pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()
-        for pid in pids:
-            subprocess.run(["kill", "-9", pid], capture_output=True)
-        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
-    links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
-    for line in links.splitlines():
-        name = line.split(":")[1].strip().split("@")[0]
-        if name.startswith(PREFIX):
-            subprocess.run(["ip", "link", "del", name], capture_output=True)
+def _owner(pid: int | str) -> str | None:
+    """PID.START of a running process (START: when it started, in clock ticks after boot, /proc/PID/stat's 22nd
+    field), so that a pid the kernel gave again to another process names another owner; None where none runs."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return f"{pid}.{stat.rsplit(')', 1)[1].split()[19]}"
+
+
+def namespaces() -> list[str]:
+    """The network namespaces on this machine (`ip netns list`), whoever made them."""
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return [line.split()[0] for line in listed.splitlines() if line.strip()]
+
+
+def _remove(ns: str) -> None:
+    """Kill the processes in namespace ns and delete it (its veth pair goes with it)."""
+    pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()
+    for pid in pids:
+        subprocess.run(["kill", "-9", pid], capture_output=True)
+    subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+def clean() -> list[str]:
+    """Remove the namespaces Machines made whose maker no longer runs (killed before its exit), their servers and
+    links with them; the names removed. A namespace of a running maker, or named otherwise, is not touched."""
+    removed = []
+    for ns in namespaces():
+        m = NAMESPACE.match(ns)
+        if m and _owner(m["pid"]) != f"{m['pid']}.{m['start']}":
+            _remove(ns)
+            removed.append(ns)
+    return removed
+
+
+def _free_subnet(taken: set[int]) -> int:
+    """The first k whose 10.77.k.0/24 no address of the host is in (nor taken)."""
+    shown = subprocess.run(["ip", "-o", "-4", "addr", "show"], capture_output=True, text=True).stdout
+    used = taken | {int(k) for k in re.findall(rf"inet {re.escape(SUBNET)}\.(\d+)\.", shown)}
+    for k in range(256):
+        if k not in used:
+            return k
+    raise FlexoffloadError(f"no free {SUBNET}.k.0/24 subnet left for a machine's link")
 
 
 class Machines:
     """n RPC servers, each in a namespace and a memory cgroup of `memory` bytes (or memory[i]), over links of
-    `rate`."""
+    `rate`. names[i]: machine i's (namespace, host's end of its link, its own end)."""
 
     def __init__(self, n: int, memory: int | list[int], rate: str = "1gbit", threads: int = 1,
                  server: str | None = None):
@@ -65,11 +104,15 @@ class Machines:
         self.n, self.memory, self.rate, self.threads = n, memory, rate, threads
         self.server = server or str(native.tool("ggml-rpc-server"))
         self.endpoints: list[str] = []
+        self.names: list[tuple[str, str, str]] = []
+        self._count = next(_made)
+        self._subnets: set[int] = set()
+        self._namespaces: list[str] = []  # the ones made, removed on close
         self._cgroups: list[MemoryCgroup] = []
         self._procs: list[subprocess.Popen] = []
 
     def __enter__(self) -> "Machines":
-        clean()
+        clean()  # what a crashed maker left (its links would hold the subnets)
         try:
             for i in range(self.n):
                 self._start(i)
@@ -83,11 +126,18 @@ class Machines:
         self.close()
 
     def _start(self, i: int) -> None:
-        ns, host_end, peer = f"{PREFIX}{i}", f"{PREFIX}{i}h", f"{PREFIX}{i}n"
-        host_ip, ip = f"{SUBNET}.{i}.1", f"{SUBNET}.{i}.2"
+        # an interface's name has at most 15 characters: the maker's pid (hex), this Machines' count and i
+        ns = f"{PREFIX}-{_owner(os.getpid())}-{self._count}-{i}"
+        link = f"fo{os.getpid():x}.{self._count % 256:x}.{i:x}"
+        host_end, peer = link + "h", link + "n"
+        k = _free_subnet(self._subnets)
+        self._subnets.add(k)
+        host_ip, ip = f"{SUBNET}.{k}.1", f"{SUBNET}.{k}.2"
         _run("ip", "netns", "add", ns)
-        _run("ip", "link", "add", host_end, "type", "veth", "peer", "name", peer)
-        _run("ip", "link", "set", peer, "netns", ns)
+        self._namespaces.append(ns)
+        self.names.append((ns, host_end, peer))
+        # the peer made inside the namespace: the pair never exists outside it, and goes when it is deleted
+        _run("ip", "link", "add", host_end, "type", "veth", "peer", "name", peer, "netns", ns)
         _run("ip", "addr", "add", f"{host_ip}/24", "dev", host_end)
         _run("ip", "link", "set", host_end, "up")
         _run("ip", "addr", "add", f"{ip}/24", "dev", peer, netns=ns)
@@ -135,6 +185,7 @@ class Machines:
         self._procs[i].wait()
 
     def close(self) -> None:
+        """Stop the servers, remove their cgroups and this set's namespaces (their links go with them)."""
         for proc in self._procs:
             if proc.poll() is None:
                 proc.kill()
@@ -142,4 +193,6 @@ class Machines:
         for cgroup in self._cgroups:
             cgroup.__exit__(None, None, None)
         self._procs, self._cgroups = [], []
-        clean()
+        for ns in self._namespaces:  # its own only: another maker's are not this one's to remove
+            _remove(ns)
+        self._namespaces, self._subnets = [], set()
