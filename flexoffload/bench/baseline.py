@@ -93,8 +93,9 @@ def parse(stdout: str, stderr: str, prompt: str) -> Speculative:
 
 
 def command(target, draft, prompt: str, n_predict: int, n_ctx: int, n_batch: int, n_threads: int,
-            n_draft: int) -> list[str]:
-    """The llama-speculative command line: greedy, both models mmap'd without repacking, one draft sequence.
+            n_draft: int, defaults: bool = False) -> list[str]:
+    """The llama-speculative command line: greedy, both models mmap'd without repacking, one draft sequence
+    (defaults: its own loading, repacked, as a user who passes no flag gets).
 
     The prompt goes in with -p and --no-escape (-f would drop its final newline, escapes would rewrite its
     backslashes). llama-speculative decodes the whole prompt as one logical batch, so -b is the context size;
@@ -103,11 +104,12 @@ def command(target, draft, prompt: str, n_predict: int, n_ctx: int, n_batch: int
     return [str(tool("llama-speculative")), "-m", str(target), "-md", str(draft), "-p", prompt, "--no-escape",
             "-n", str(n_predict), "-c", str(n_ctx), "-b", str(n_ctx), "-ub", str(n_batch), "-t", str(n_threads),
             "--temp", "0", "-np", "1", "--spec-draft-n-max", str(n_draft), "--spec-draft-n-min", "0",
-            "-lm", "mmap", "--no-repack", "--color", "off", "--log-colors", "off"]
+            "--color", "off", "--log-colors", "off"] + ([] if defaults else ["-lm", "mmap", "--no-repack"])
 
 
 def run(target, draft, prompt: str, n_predict: int, n_ctx: int, n_batch: int, n_threads: int, n_draft: int,
-        budget: int | None = None, timeout: float | None = None, cold: bool = True) -> Speculative:
+        budget: int | None = None, timeout: float | None = None, cold: bool = True,
+        defaults: bool = False) -> Speculative:
     """llama-speculative on the prompt, in its own memory cgroup at budget bytes (none: unlimited).
 
     cold: drop the page cache first (where permitted). A run the kernel stopped at the budget, a failure, a
@@ -115,7 +117,7 @@ def run(target, draft, prompt: str, n_predict: int, n_ctx: int, n_batch: int, n_
     """
     if n_draft < 1:
         raise FlexoffloadError("--spec-draft-n-max must be at least 1")
-    cmd = command(target, draft, prompt, n_predict, n_ctx, n_batch, n_threads, n_draft)
+    cmd = command(target, draft, prompt, n_predict, n_ctx, n_batch, n_threads, n_draft, defaults)
     if cold:
         budgets.drop_page_cache()
     r = budgets.run_limited(cmd, budget, timeout)
