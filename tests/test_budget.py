@@ -1,9 +1,11 @@
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from flexoffload import FlexoffloadError
+from flexoffload.memory import budgets
 from flexoffload.memory.budgets import MemoryCgroup, MiB, parse_size
 
 
@@ -98,3 +100,24 @@ def test_run_limited_stops_a_child_past_its_timeout():
 
     with pytest.raises(FlexoffloadError, match="timed out"):
         run_limited([sys.executable, "-c", "import time; time.sleep(30)"], 200 * MiB, timeout=1)
+
+
+def test_a_run_stopped_from_outside_leaves_no_child_behind(tmp_path):
+    """A Ctrl-C or SIGTERM (as an exception) while waiting for the child kills it and removes its cgroup."""
+    import signal
+
+    pid_file = tmp_path / "pid"
+
+    def stop(*_):
+        raise KeyboardInterrupt
+
+    before = signal.signal(signal.SIGALRM, stop)
+    signal.alarm(2)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            budgets.run_limited(["sh", "-c", f"echo $$ > {pid_file}; exec sleep 60"], 64 * MiB, timeout=120)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, before)
+    assert pid_file.is_file()
+    assert not Path(f"/proc/{int(pid_file.read_text())}").exists()

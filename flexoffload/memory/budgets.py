@@ -286,17 +286,20 @@ def run_limited(cmd: list[str], limit: int | None, timeout: float | None = None,
         proc = start(cmd, stdin=None if interactive else subprocess.DEVNULL, stdout=subprocess.PIPE if capture_stdout else None,
                      stderr=subprocess.PIPE)
         unreclaimable, out, err = 0, b"", b""
-        while True:  # the peak of what the run cannot give back, sampled: the kernel keeps no peak of it
-            if cgroup:
-                unreclaimable = max(unreclaimable, cgroup.unreclaimable())
-            try:
-                out, err = proc.communicate(timeout=0.02)
-                break
-            except subprocess.TimeoutExpired:
-                if timeout is not None and time.perf_counter() - t0 > timeout:
-                    proc.kill()
-                    proc.communicate()
-                    raise FlexoffloadError(f"timed out after {timeout:.0f} s") from None
+        try:
+            while True:  # the peak of what the run cannot give back, sampled: the kernel keeps no peak of it
+                if cgroup:
+                    unreclaimable = max(unreclaimable, cgroup.unreclaimable())
+                try:
+                    out, err = proc.communicate(timeout=0.02)
+                    break
+                except subprocess.TimeoutExpired:
+                    if timeout is not None and time.perf_counter() - t0 > timeout:
+                        raise FlexoffloadError(f"timed out after {timeout:.0f} s") from None
+        except BaseException:  # a timeout, or this process stopped (Ctrl-C, SIGTERM): the child does not outlive it
+            proc.kill()
+            proc.communicate()
+            raise
         return Limited(returncode=proc.returncode, stdout=(out or b"").decode("utf-8", "replace"),
                        stderr=(err or b"").decode("utf-8", "replace"), wall_s=time.perf_counter() - t0,
                        peak_mem_mb=cgroup.peak() / MiB if cgroup else 0.0, unreclaimable_mb=unreclaimable / MiB,
