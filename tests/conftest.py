@@ -122,3 +122,41 @@ def tail_logits_apart(e, toks: list[int], n: int) -> float:
         native.set_tiled_matmul(-1)
         batch.free()
     return float(np.abs(e.last_logits() - single).max())
+
+
+# --- a test's own cache, and a machine profile set rather than measured -------------------------------------------
+
+@pytest.fixture
+def private_cache(tmp_path, monkeypatch) -> Path:
+    """A cache of the test's own (FLEXOFFLOAD_CACHE, which cli children inherit): profiles, recorded disk speeds and
+    tables written there are seen by no other test, and none of the session's are seen here. The native build is
+    linked in as in the session's."""
+    native = cache_dir() / "native"
+    path = tmp_path / "private-cache"
+    path.mkdir()
+    if native.is_dir():
+        (path / "native").symlink_to(native.resolve())
+    monkeypatch.setenv("FLEXOFFLOAD_CACHE", str(path))
+    return path
+
+
+def set_profile(model_path, n_threads: int, tok_s: float, disk_bw: float):
+    """The machine's profile for model_path at -t n_threads, set here instead of measured: compute at tok_s with
+    every weight in memory, O_DIRECT reads at disk_bw bytes/s. Written where profiler.measure looks for it (the cache
+    FLEXOFFLOAD_CACHE names: give a test its private_cache first). The disk speeds streamed runs recorded on the
+    file's device (profiler.record_run: the best, the recent ones plans take the median with) are removed, so plans
+    use disk_bw as it is. Returns the Profile."""
+    import json
+
+    from flexoffload.defaults import write_atomic
+    from flexoffload.gguf.model import load
+    from flexoffload.measure import profiler
+    from flexoffload.plan.costmodel import Profile
+
+    model = load(model_path)
+    for recorded in (profiler._seen_path(model.path), profiler._best_path(model.path)):
+        recorded.unlink(missing_ok=True)
+    profile = Profile.calibrated(model, tok_s=tok_s, disk_bw=disk_bw)
+    write_atomic(profiler._cache_path(model, n_threads), json.dumps(profile.to_dict(), indent=1))
+    assert profiler.measure(model, n_threads) == profile  # what a plan reads: this profile, no recorded run beside it
+    return profile

@@ -17,6 +17,7 @@ def converse(*args: str, stdin: str, timeout: float = 600) -> subprocess.Complet
                           capture_output=True, text=True, timeout=timeout, env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
 
+@pytest.mark.integration
 def test_a_later_turn_equals_the_whole_conversation_decoded_afresh(real_model):
     """The second reply, decoded on top of the first turn's cache, is the reply to the whole conversation decoded
     from nothing (greedy): the cache holds what the template would write, the tokens it lacks are decoded."""

@@ -73,11 +73,16 @@ def test_a_model_llama_cpp_cannot_load_is_one_error(tmp_path):
 
 @pytest.mark.parametrize("shape", ["qwen2-tiny", "gemma3-tiny-256k", "phi3-tiny"])
 def test_the_plan_predicts_what_the_run_cannot_give_back(tmp_path, shape):
-    """Streamed at its minimum budget and at a roomier one, in a cgroup with room to spare: the sampled peak of
-    anonymous and kernel memory is never above the plan's prediction, and within 10 % of it (and the fixed kernel
-    reserve: 7 % of these 30 MiB runs; scripts/matrix.py checks the 10 % at realistic sizes)."""
+    """Streamed at its minimum budget and at a roomier one, in a cgroup with room to spare: the cgroup's own peak
+    counter (v2 memory.peak, v1 memory.max_usage_in_bytes: the kernel's, which no short peak escapes, as a sampler
+    polling every 20 ms can on a busy machine) is never above the plan's prediction of what the run cannot give
+    back, and within 10 % of it (and the fixed kernel reserve: 7 % of these 30 MiB runs; scripts/matrix.py checks
+    the 10 % at realistic sizes). The counter holds page cache too: the model file is read into the page cache
+    first by this process, so its pages are charged here, not to the run's cgroup (a run's load reads the resident
+    tensors through the page cache, then gives it back), and the counter holds what the run itself held."""
     from flexoffload import api
     from flexoffload.bench.sweep import DEFAULT_PROMPT
+    from flexoffload.measure import profiler
     from flexoffload.plan import planners
 
     path = synth.write(tmp_path / f"{shape}.gguf", synth.SHAPES[shape])
@@ -88,6 +93,10 @@ def test_the_plan_predicts_what_the_run_cannot_give_back(tmp_path, shape):
                               temp=0, mem=str(budget), strategy="stream")
         prepared = api.prepare(request)
         predicted = prepared.plan.memory.unreclaimable
-        measured = api.run_in_cgroup(prepared, budget + (512 << 20), timeout=300)["peak_unreclaimable_mb"] * (1 << 20)
-        assert measured <= predicted <= 1.1 * measured + KERNEL_FIXED, \
-            (shape, budget, predicted / (1 << 20), measured / (1 << 20))
+        profiler.warm_page_cache(path)  # the previous run gave the file's cache back: charged here again
+        result = api.run_in_cgroup(prepared, budget + (512 << 20), timeout=300)
+        assert result["peak_source"] == "cgroup"
+        peak, sampled = result["peak_mem_mb"] * (1 << 20), result["peak_unreclaimable_mb"] * (1 << 20)
+        assert sampled <= peak  # the counter is the cgroup's, of everything charged to it (the sampler's may miss)
+        assert peak <= predicted <= 1.1 * peak + KERNEL_FIXED, \
+            (shape, budget, predicted / (1 << 20), peak / (1 << 20), sampled / (1 << 20))

@@ -299,6 +299,7 @@ def test_run_spec_type_reports_tokens_per_pass_and_acceptance_per_drafter(peaked
 
 # --- on the real model ------------------------------------------------------------------------------------------
 
+@pytest.mark.integration
 def test_real_edit_prompt_ngram_simple_is_lossless_and_takes_several_tokens_a_pass(real_model):
     """An edit prompt repeats its input: prompt lookup must find it (more than a token a pass), and the greedy
     tokens stay the target's own."""
@@ -328,6 +329,7 @@ def test_the_plan_counts_the_free_drafters_rows_and_table(tiny_model):
     assert api.prepare(api.Request(**base, spec_type="auto")).spec_type == "none"
 
 
+@pytest.mark.integration
 def test_real_auto_speculates_where_the_plan_streams_and_not_without_a_budget(real_model, monkeypatch):
     """auto decides by the measured profile (is the plan's pass disk-bound?); the machine's measured compute is
     set here on both sides of the rule, so the test does not depend on how busy the CPU was when it measured."""
@@ -346,21 +348,56 @@ def test_real_auto_speculates_where_the_plan_streams_and_not_without_a_budget(re
     assert api.prepare(api.Request(model=str(real_model), prompt=prompt, spec_type="auto")).spec_type == "none"
 
 
-def test_run_speculates_by_default_where_auto_says_it_pays(real_model):
-    """`run`'s default --spec-type is auto: the request a run's flags make decides as auto does."""
-    from dataclasses import asdict
+# --- auto, where the disk or compute sets the pass ----------------------------------------------------------------
 
+# tensors over the 1 MiB that always stays resident (an FFN matrix is 1.6 MiB at Q4_0), so a budget under the file
+# streams most of them; the peaked target's seeds and output scale, so its greedy text repeats and drafts are accepted
+STREAMABLE = synth.Shape(n_layer=4, n_embd=1024, n_ff=2816, n_head=8, n_head_kv=4, n_vocab=384, n_ctx_train=1024)
+AUTO_TOK_S = 50.0  # the compute set for the profiles below: 20 ms a token with every weight in memory
+
+
+def test_run_spec_type_auto_speculates_where_the_disk_sets_the_pass_and_not_where_compute_does(tmp_path,
+                                                                                               private_cache):
+    """`run --spec-type auto` (run's default) on a synthetic model streamed by a plan, the machine's profile set in
+    this test's own cache (not measured): where reading what a token streams takes ten times its compute, the run
+    speculates with the free drafters (the --json shows the drafters, their drafted and accepted tokens, more than a
+    token a pass); where it takes a tenth, the same run at the same budget runs the target alone; without a budget
+    nothing streams and it runs alone too. The tokens are the same every way (greedy, lossless)."""
     from flexoffload import api
     from flexoffload.cli import request_from_args
+    from flexoffload.gguf.model import load
+    from flexoffload.measure import probe
+    from flexoffload.plan.planners import run_minimum
 
-    _, prompt = edit.prompts("tuning", 1)[0]
-    flags = request_from_args(["-m", str(real_model), "-p", prompt, "--temp", "0", "--mem", "0.4x"])
-    assert flags.spec_type == "auto"
-    auto = api.Request(**{**asdict(flags), "spec_type": "auto"})
-    assert api.prepare(flags).spec_type == api.prepare(auto).spec_type
-    alone = api.prepare(request_from_args(["-m", str(real_model), "-p", prompt, "--mem", "0.4x", "--spec-type",
-                                           "none"]))
-    assert alone.spec_type == "none" and alone.draft_bytes == 0
+    from conftest import set_profile
+
+    assert request_from_args(["-p", "x"]).spec_type == "auto"  # run's default
+    path = synth.write(tmp_path / "streamable.gguf", STREAMABLE, seed=3, output_seed=4, output_scale=10)
+    m = load(path)
+    budget = int(run_minimum(m, probe.measure(m, 256, 32)) * 1.02)  # most of the FFN matrices stream
+    common = ["run", "-m", str(path), "-p", "abc abc abc abc", "-n", "20", "--temp", "0", "-c", "256", "-b", "32",
+              "-t", "2", "--strategy", "stream", "--json"]
+
+    def run(*extra: str) -> dict:
+        return json.loads(cli(*common, *extra, check=True).stdout)
+
+    set_profile(path, 2, AUTO_TOK_S, disk_bw=m.weight_bytes * AUTO_TOK_S / 10)  # all weights: 10x compute
+    disk_bound = run("--mem", str(budget), "--spec-type", "auto")
+    assert disk_bound["plan"]["streamed_mb"] > 0.5 * m.weight_bytes / 2**20
+    assert disk_bound["spec"]["types"] == list(api.FREE_AUTO) and disk_bound["strategy"] == "stream+tree"
+    t = disk_bound["timings"]
+    assert t["n_verify"] > 0 and t["tokens_per_pass"] > 1
+    assert sum(d["n_drafted"] for d in t["drafters"].values()) > 0
+    assert sum(d["n_accepted"] for d in t["drafters"].values()) > 0
+
+    set_profile(path, 2, AUTO_TOK_S, disk_bw=m.weight_bytes * AUTO_TOK_S * 10)  # all weights: a tenth of compute
+    compute_bound = run("--mem", str(budget), "--spec-type", "auto")
+    assert "spec" not in compute_bound and compute_bound["strategy"] == "stream"
+    assert compute_bound["plan"]["streamed_mb"] > 0 and "drafters" not in compute_bound["timings"]
+    unbudgeted = json.loads(cli(*[a for a in common if a not in ("--strategy", "stream")], "--spec-type", "auto",
+                                check=True).stdout)
+    assert "spec" not in unbudgeted and unbudgeted["strategy"] == "mmap"
+    assert disk_bound["tokens"] == compute_bound["tokens"] == unbudgeted["tokens"]
 
 
 # --- with -ub, -fa, -ctk, -ctv, and tensors on RPC servers --------------------------------------------------------
