@@ -1,0 +1,107 @@
+"""A mixture of experts (synthetic, random weights, real shapes) on the paths a user runs it by: `run --enforce`, the
+child in a memory cgroup at the budget, whose plan counts the expert cache and whose cgroup's own peak counter stays
+within the budget; and a streamed run's greedy text against llama-completion itself on the same file (test_moe.py
+compares a streamed run with our own mmap run)."""
+
+import dataclasses
+import json
+
+import pytest
+from conftest import cli, set_profile
+from test_equality import llama_completion
+
+from flexoffload import api
+from flexoffload.cli import request_from_args
+from flexoffload.gguf import synth
+from flexoffload.gguf.model import load
+from flexoffload.measure import probe, profiler
+from flexoffload.plan import expertcache
+from flexoffload.plan.planners import run_minimum
+
+MiB = 1 << 20
+MOE = ["llama-moe-tiny", "qwen3moe-tiny"]
+# embeddings and output over the 1 MiB that always stays resident, so a plan streams them beside the experts
+STREAMED = {"llama-moe-tiny": dict(n_embd=512, n_ff=512, n_vocab=4096),
+            "qwen3moe-tiny": dict(n_embd=512, n_ff_expert=256, n_vocab=4096)}
+SEED = {"llama-moe-tiny": 0, "qwen3moe-tiny": 1}  # weights whose greedy text after PROMPT is not one token repeated
+PROMPT = "hello world"
+SETTING = ["-c", "256", "-b", "32", "-t", "2"]
+TOK_S = 50.0  # the compute set for the profiles below
+
+
+def _write(name, directory):
+    return synth.write(directory / f"{name}.gguf", dataclasses.replace(synth.SHAPES[name], **STREAMED[name]),
+                       seed=SEED[name], output_scale=4.0)
+
+
+# experts of 0.84 MiB (16 a layer), and an output matrix of 18 MiB (a 32000-token vocabulary): at a budget the
+# expert cache is a fifth of, a plan that did not count the cache would keep the output resident in its memory
+ENFORCED = dataclasses.replace(synth.SHAPES["qwen3moe-tiny"], n_embd=1024, n_ff_expert=512, n_vocab=32000)
+
+
+def test_a_moe_under_enforce_stays_within_its_budget_and_its_plan_counts_the_expert_cache(tmp_path, private_cache):
+    """A qwen3moe at its least budget and room for 8 cached experts a layer, the disk set four times slower than
+    compute (set in this test's own cache, not measured). The plan counts the experts' memory (the cache's slots and
+    a batch's experts beyond them) and the runtime's expert cache fits in it. `run --enforce` holds the child to the
+    budget in a cgroup: it runs to its end, reads experts as the routing asks, and the cgroup's peak counter (page
+    cache included) is within the budget. The kernel holds any run there, so the same plan runs again in a cgroup
+    with room to spare (the file's pages charged to this process first): the counter's peak is within what the plan
+    predicts the run cannot give back, the budget kept without the kernel's reclaim. Counting no expert memory,
+    the plan keeps the output resident instead and the run holds 9 MiB more than it predicts."""
+    path = synth.write(tmp_path / "moe.gguf", ENFORCED, seed=1)
+    m = load(path)
+    set_profile(path, 2, TOK_S, disk_bw=m.weight_bytes * TOK_S / 4)
+    slots = 8
+    budget = run_minimum(m, probe.measure(m, 256, 32)) + 2 * (expertcache.memory(m, slots) - expertcache.memory(m, 0))
+    flags = ["-m", str(path), "--mem", str(budget), *SETTING, "--strategy", "stream", "--expert-reads", "routed",
+             "--expert-slots", str(slots), "--spec-type", "none", "-p", PROMPT, "-n", "16", "--temp", "0"]
+    prepared = api.prepare(request_from_args(flags))
+    plan = prepared.plan
+    assert plan is not None and plan.experts is not None and prepared.limit == budget
+    experts = {t.name for t in m.tensors if t.kind == "expert"}
+    assert experts <= set(plan.streamed)
+    assert plan.memory.experts >= expertcache.memory(m, slots, 32) > expertcache.memory(m, 0, 32) > 0
+    assert plan.memory.unreclaimable <= budget
+
+    r = cli("run", *flags, "--enforce", "--json")
+    assert r.returncode == 0, r.stderr
+    enforced = json.loads(r.stdout)
+    assert enforced["enforced"] and enforced["peak_source"] == "cgroup" and enforced["budget_mb"] * MiB == budget
+    assert 0 < enforced["peak_mem_mb"] * MiB <= budget
+    assert enforced["plan"]["unreclaimable_mb"] == pytest.approx(plan.memory.unreclaimable / MiB)  # this plan ran
+    t = enforced["timings"]
+    assert t["expert_uses"] > 0 and t["expert_bytes_read"] > 0
+    assert 0 < t["expert_cached_peak"] <= plan.memory.experts
+
+    profiler.warm_page_cache(path)  # its pages charged here, not to the run's cgroup
+    roomy = api.run_in_cgroup(prepared, budget + (512 << 20), timeout=300)
+    assert roomy["tokens"] == enforced["tokens"]
+    assert roomy["peak_unreclaimable_mb"] <= roomy["peak_mem_mb"]
+    assert roomy["peak_mem_mb"] * MiB <= plan.memory.unreclaimable <= budget, \
+        (roomy["peak_mem_mb"], plan.memory.unreclaimable / MiB, budget / MiB)
+
+
+@pytest.mark.parametrize("reads", ["routed", "whole"])
+@pytest.mark.parametrize("name", MOE)
+def test_a_moe_streamed_writes_llama_completion_s_greedy_text(name, reads, tmp_path, private_cache):
+    """Streamed at its least budget (experts by expert once the router has chosen, or whole by the window), the
+    greedy text is the one this build's llama-completion writes for the same file (mmap, upstream's path), with the
+    same context and batch (a text of several tokens, not one repeated: a wrong expert read shows); and the run did
+    read from the disk, by expert where routed."""
+    path = _write(name, tmp_path)
+    m = load(path)
+    set_profile(path, 2, TOK_S, disk_bw=m.weight_bytes * TOK_S / 4)
+    budget = int(run_minimum(m, probe.measure(m, 256, 32)) * 1.02)
+    r = cli("run", "-m", str(path), "-p", PROMPT, "-n", "24", "--temp", "0", *SETTING, "--mem", str(budget),
+            "--strategy", "stream", "--expert-reads", reads, "--spec-type", "none", "--json")
+    assert r.returncode == 0, r.stderr
+    ours = json.loads(r.stdout)
+    t = ours["timings"]
+    assert ours["strategy"] == "stream" and t["stream_bytes_read"] > 0
+    if reads == "routed":
+        assert t["expert_uses"] > 0 and t["expert_bytes_read"] > 0
+    else:
+        assert not t.get("expert_uses")
+    theirs = llama_completion(path, PROMPT, 24, ctx=256, batch=32)
+    assert len(set(theirs.split())) >= 3
+    assert ours["text"] == theirs
