@@ -1,9 +1,12 @@
 """`flexoffload serve` as users use it: the official `openai` client (chat, completion, streaming with usage), errors
 (400 for a malformed body or a prompt longer than a sequence's context, 401 without the key, 503 when the queue is
-full), concurrent clients whose greedy outputs equal single-client `flexoffload run` outputs, a client that goes
-away cancelled, and a clean exit on SIGTERM or SIGINT: no llama-server left, no cgroup, no temporary folder. Bad
-input (raw sockets: malformed HTTP a client library would not send), requests while the model loads and SIGTERM with
-requests in flight each get a clear status, never a traceback. Speculation by llama-server's own drafters (n-grams, a
+full), concurrent clients (passes shared for certain) whose greedy outputs equal single-client `flexoffload run`
+outputs, a client that goes away cancelled, and a clean exit on SIGTERM or SIGINT: no llama-server or process of its
+left, no cgroup, no temporary folder. Greedy text is checked against llama-completion (llama.cpp's own CLI) where
+serve and run could share a fault: a chat (the conversation laid out in ChatML here), a streamed and enforced
+budget, a mixture of experts streamed by expert. Bad input (raw sockets: malformed HTTP a client library would not
+send), requests while the model loads, SIGTERM while it loads and SIGTERM with requests in flight each get a clear
+status and a closed connection, never a traceback or a hang. Speculation by llama-server's own drafters (n-grams, a
 draft model) gives run's greedy text, is planned within the budget, and where it does not fit the server runs
 without it.
 
@@ -27,10 +30,27 @@ from pathlib import Path
 import pytest
 
 from conftest import cli
+from test_equality import llama_completion
 from flexoffload import FlexoffloadError
 from flexoffload.gguf import catalog, synth
 
 import openai  # noqa: E402  (the official client: a test extra)
+
+
+def left_running(session: int, marker: str | None) -> list[str]:
+    """The command lines of live processes (not zombies) in session (llama-server's own: it starts one) or whose
+    command line names marker."""
+    found = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+            cmdline = (d / "cmdline").read_bytes()
+            if fields[0] != "Z" and (int(fields[3]) == session or (marker and marker.encode() in cmdline)):
+                found.append(d.name + ": " + cmdline.replace(b"\0", b" ").decode(errors="replace"))
+    return found
+
 
 class Serving:
     """A `flexoffload serve` process (on a free port unless port is given), its ready line read (unless wait is
@@ -90,16 +110,16 @@ class Serving:
         return openai.OpenAI(base_url=f"{self.base}/v1", api_key=key, max_retries=0, **kw)
 
     def request(self, method: str, path: str, body: bytes | None = None, headers: dict | None = None,
-                timeout: float = 120):
-        """(status, parsed body or text) of a plain HTTP request."""
+                timeout: float = 120, with_headers: bool = False):
+        """(status, parsed body or text) of a plain HTTP request; and its response's headers if with_headers."""
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
         try:
             conn.request(method, path, body=body, headers=headers or {})
             r = conn.getresponse()
             data = r.read().decode()
             with contextlib.suppress(ValueError):
-                return r.status, json.loads(data)
-            return r.status, data
+                data = json.loads(data)
+            return (r.status, data, r.headers) if with_headers else (r.status, data)
         finally:
             conn.close()
 
@@ -120,6 +140,9 @@ class Serving:
         time.sleep(0.2)  # the reader thread's last lines
         assert server_pid is None or not Path(f"/proc/{server_pid}").exists() or \
             Path(f"/proc/{server_pid}/stat").read_text().split()[2] == "Z", "llama-server outlived serve"
+        if server_pid is not None:  # nor any process it started, nor one still naming its socket's folder
+            left = left_running(server_pid, str(getattr(self, "socket_dir", "")) or None)
+            assert not left, f"left running after serve: {left}"
         assert not hasattr(self, "socket_dir") or not self.socket_dir.exists(), f"{self.socket_dir} left behind"
         assert not any(p.exists() for p in cgroups), f"cgroups left behind: {cgroups}"
         return "".join(self.lines)
@@ -162,6 +185,18 @@ def run_text(model, prompt, n, *extra) -> str:
     return json.loads(r.stdout)["text"]
 
 
+# a conversation whose every turn shows in the tiny model's greedy text (most of its answers are " vb vb ...")
+CONVERSATION = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "x y"},
+                {"role": "assistant", "content": "z w v"}, {"role": "user", "content": "q r"}]
+
+
+def chatml(messages: list[dict]) -> str:
+    """The conversation as ChatML lays it out (llama.cpp's template for a model that has none), the assistant's
+    turn opened."""
+    return "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages) + \
+        "<|im_start|>assistant\n"
+
+
 def test_completion_chat_and_stream_with_the_openai_client(tiny_model):
     with Serving("-m", str(tiny_model), "-c", "512", "-np", "2") as s:
         client = s.client()
@@ -173,10 +208,17 @@ def test_completion_chat_and_stream_with_the_openai_client(tiny_model):
         assert done.usage.completion_tokens == 8 and done.usage.prompt_tokens == 5
         assert done.choices[0].finish_reason == "length"
 
-        chat = client.chat.completions.create(model="any", messages=[{"role": "user", "content": "hello"}],
-                                              max_tokens=6, temperature=0, seed=1, top_p=0.9)
-        assert chat.choices[0].message.role == "assistant" and chat.choices[0].message.content
-        assert chat.usage.completion_tokens == 6
+        # a chat: greedy text equal to llama-completion's on the conversation in ChatML, written here (the template
+        # llama.cpp falls back to for a model without one); a turn dropped would show
+        chat = client.chat.completions.create(model="any", messages=CONVERSATION, max_tokens=8, temperature=0, seed=1,
+                                              top_p=0.9)
+        answer = chat.choices[0].message.content
+        assert chat.choices[0].message.role == "assistant"
+        assert answer == llama_completion(tiny_model, chatml(CONVERSATION), 8, ctx=512)
+        assert chat.usage.completion_tokens == 8
+        for role in ("system", "assistant"):
+            assert answer != llama_completion(tiny_model, chatml([m for m in CONVERSATION if m["role"] != role]), 8,
+                                              ctx=512), f"the {role} turn does not change the answer"
 
         # streamed: the same text in pieces, then a last chunk with no choices and the usage
         chunks = list(client.completions.create(model="any", prompt="a b c d", max_tokens=8, temperature=0,
@@ -184,11 +226,10 @@ def test_completion_chat_and_stream_with_the_openai_client(tiny_model):
         assert "".join(c.choices[0].text for c in chunks if c.choices) == done.choices[0].text
         assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 8
         chat_chunks = list(client.chat.completions.create(
-            model="any", messages=[{"role": "user", "content": "hello"}], max_tokens=6, temperature=0, seed=1,
-            top_p=0.9, stream=True, stream_options={"include_usage": True}))
-        assert "".join(c.choices[0].delta.content or "" for c in chat_chunks if c.choices) == \
-            chat.choices[0].message.content
-        assert chat_chunks[-1].usage.completion_tokens == 6
+            model="any", messages=CONVERSATION, max_tokens=8, temperature=0, seed=1, top_p=0.9, stream=True,
+            stream_options={"include_usage": True}))
+        assert "".join(c.choices[0].delta.content or "" for c in chat_chunks if c.choices) == answer
+        assert chat_chunks[-1].usage.completion_tokens == 8
 
         # the wire: server-sent events ending in data: [DONE]
         conn = http.client.HTTPConnection("127.0.0.1", s.port, timeout=60)
@@ -244,10 +285,23 @@ def test_api_key(tiny_model):
         s.stop()
 
 
-def test_concurrent_clients_get_single_client_greedy_outputs(kquant_model, monkeypatch):
-    """Twelve requests from eight clients at staggered times on four sequences (the rest wait in the queue), prompts of
-    1 to 19 tokens: each text is the one `flexoffload run` gives for its prompt alone, whatever shared its passes.
+def waiting_connections(socket_path: Path) -> int:
+    """Connections waiting to be accepted on the listening unix socket at socket_path (ss: its Recv-Q)."""
+    listed = subprocess.run(["ss", "-xlnH"], capture_output=True, text=True, check=True).stdout
+    for line in listed.splitlines():
+        fields = line.split()
+        if len(fields) > 4 and fields[4] == str(socket_path):
+            return int(fields[2])
+    return 0
 
+
+def test_concurrent_clients_get_single_client_greedy_outputs(kquant_model, monkeypatch):
+    """Twelve requests from eight clients on four sequences (the rest wait in the queue), prompts of 1 to 19 tokens:
+    each text is the one `flexoffload run` gives for its prompt alone, whatever shared its passes.
+
+    That passes are shared is made certain, not left to timing: llama-server is held stopped (SIGSTOP) until four
+    requests wait on its socket (the other four clients in the front's queue), so the four start together; its own
+    counts then say so (more than one busy sequence a decode pass on average, fewer passes than tokens).
     Kernels row by row on both sides (K-quants, GGML_CPU_TILED_MM=0; docs/serve.md says why), so any difference is
     the serving's: a sequence seeing another's cells, a prompt cached for the wrong slot, a token sampled for the
     wrong request."""
@@ -259,38 +313,72 @@ def test_concurrent_clients_get_single_client_greedy_outputs(kquant_model, monke
         client = s.client()
 
         def ask(i):
-            time.sleep(0.05 * (i % 5))
             p = prompts[i % len(prompts)]
             return p, client.completions.create(model="any", prompt=p, max_tokens=32, temperature=0).choices[0].text
 
-        with ThreadPoolExecutor(8) as pool:
-            answers = list(pool.map(ask, range(12)))
+        os.kill(s.server_pid, signal.SIGSTOP)
+        try:
+            with ThreadPoolExecutor(8) as pool:
+                answers = [pool.submit(ask, i) for i in range(12)]
+                deadline = time.time() + 60
+                while waiting_connections(s.socket_dir / "llama.sock") < 4:
+                    assert time.time() < deadline, "four requests did not reach llama-server"
+                    time.sleep(0.02)
+                assert waiting_connections(s.socket_dir / "llama.sock") == 4  # one a sequence, the rest queued
+                os.kill(s.server_pid, signal.SIGCONT)
+                answers = [a.result(timeout=300) for a in answers]
+        finally:
+            os.kill(s.server_pid, signal.SIGCONT)
         assert [t for _, t in answers] == [alone[p] for p, _ in answers]
         assert s.metric("flexoffload_requests_total") == 12
-        assert s.metric("llamacpp:n_decode_total") < 12 * 32  # passes were shared
+        assert s.metric("llamacpp:tokens_predicted_total") == 12 * 32
+        assert s.metric("llamacpp:n_busy_slots_per_decode") > 1.5  # passes were shared
+        assert s.metric("llamacpp:n_decode_total") < 12 * 32
         s.stop()
 
 
-def test_streamed_and_budgeted_run_in_a_cgroup(slow_model):
-    """--mem with --enforce: llama-server streams by the plan's -ot lines in a memory cgroup at the budget; its
-    greedy text is run's under the same budget; /metrics reports the budget, the cgroup's peak and the queue."""
-    with Serving("-m", str(slow_model), "-c", "256", "-np", "2", "--mem", "200M", "--strategy", "prefetch",
-                 "--enforce") as s:
+@pytest.fixture(scope="module")
+def varied_model(tmp_path_factory) -> Path:
+    """A synthetic model whose greedy text varies with the prompt and along it (deeper or wider synthetic models
+    settle on one token: a fault would hardly show in their text), with a 32768-token vocabulary: its embeddings and
+    output, 9 of its 10 MiB, stream at a budget."""
+    shape = synth.Shape(n_layer=3, n_embd=256, n_ff=512, n_head=4, n_head_kv=2, n_vocab=32768, n_ctx_train=2048)
+    return synth.write(tmp_path_factory.mktemp("models") / "varied.gguf", shape)
+
+
+def minimum_mib(model: Path, *flags: str) -> int:
+    """The least budget serve takes for model with flags, in MiB (read from its refusal of 1 MiB)."""
+    r = cli("serve", "-m", str(model), "--port", "0", *flags, "--mem", "1M")
+    assert r.returncode != 0 and "the minimum is" in r.stderr, r.stderr
+    return int(r.stderr.split("the minimum is ")[1].split()[0])
+
+
+def test_streamed_and_budgeted_run_in_a_cgroup(varied_model):
+    """--mem with --enforce at the least budget: llama-server streams by the plan's -ot lines in a memory cgroup at
+    the budget; each greedy text is llama-completion's on the same file, in memory (llama.cpp's own path, not run's:
+    a fault of the streaming or the plan that run shares would show); /metrics reports the budget, the cgroup's peak
+    and the queue."""
+    flags = ["-c", "256", "-np", "2", "--strategy", "prefetch"]
+    budget = minimum_mib(varied_model, *flags)
+    with Serving("-m", str(varied_model), *flags, "--mem", f"{budget}M", "--enforce") as s:
         assert "enforced" in "".join(s.lines) and "prefetch" in "".join(s.lines)
         cmd = Path(f"/proc/{s.server_pid}/cmdline").read_bytes().split(b"\0")
-        assert b"-ot" in cmd and any(part.endswith(b"=STREAMED") for part in cmd)
+        assert b"^output\\.weight$=STREAMED" in cmd  # the largest tensor
         assert cmd[cmd.index(b"-lm") + 1] == b"mlock"
         env = dict(kv.split(b"=", 1) for kv in Path(f"/proc/{s.server_pid}/environ").read_bytes().split(b"\0") if kv)
         assert env[b"LLAMA_STREAM_WINDOW"] == b"3" and env[b"GGML_CPU_SPLIT_KV"] == b"0"
-        text = s.client().completions.create(model="any", prompt="a b c d", max_tokens=16, temperature=0)
-        assert text.choices[0].text == run_text(slow_model, "a b c d", 16, "-c", "256", "--mem", "200M",
-                                                "--strategy", "prefetch")
+        texts = {}
+        for prompt in ("a b c d", "m n o p"):
+            texts[prompt] = s.client().completions.create(model="any", prompt=prompt, max_tokens=16,
+                                                          temperature=0).choices[0].text
+            assert texts[prompt] == llama_completion(varied_model, prompt, 16, ctx=256), prompt
+        assert len(set(texts.values())) == 2 and all(len(set(t.split())) > 1 for t in texts.values())
         assert s.metric("flexoffload_memory_enforced") == 1
-        assert s.metric("flexoffload_memory_budget_bytes") == 200 << 20
-        assert 0 < s.metric("flexoffload_memory_peak_bytes") <= 200 << 20
+        assert s.metric("flexoffload_memory_budget_bytes") == budget << 20
+        assert 0 < s.metric("flexoffload_memory_peak_bytes") <= budget << 20
         assert s.metric("flexoffload_disk_read_bytes_per_pass") > 1 << 20  # each pass reads the streamed weights
         assert s.metric("flexoffload_queue_capacity") == 32 and s.metric("flexoffload_sequences") == 2
-        assert s.metric("llamacpp:tokens_predicted_total") == 16
+        assert s.metric("llamacpp:tokens_predicted_total") == 2 * 16
         s.stop(signal.SIGINT)
 
 
@@ -302,9 +390,11 @@ def test_queue_full_is_503_and_a_client_that_goes_away_is_cancelled(slow_model):
             {"prompt": "a b c", "max_tokens": 900, "stream": True, "temperature": 0}))
         r = conn.getresponse()
         assert r.status == 200 and r.readline().startswith(b"data: ")
-        status, answer = s.request("POST", "/v1/completions", json.dumps({"prompt": "a", "max_tokens": 2}).encode())
+        status, answer, headers = s.request("POST", "/v1/completions",
+                                            json.dumps({"prompt": "a", "max_tokens": 2}).encode(), with_headers=True)
         assert status == 503 and answer["error"]["type"] == "unavailable_error"
         assert "queue" in answer["error"]["message"]
+        assert int(headers.get("Retry-After") or 0) > 0, dict(headers)  # when to try again
         assert s.metric("flexoffload_requests_rejected_total") == 1
         assert s.metric("llamacpp:requests_processing") == 1
 
@@ -344,17 +434,20 @@ def test_a_client_of_a_request_not_streamed_that_goes_away_is_cancelled(slow_mod
         s.stop()
 
 
-def raw_http(port: int, *parts: bytes, pause: float = 0.3, timeout: float = 60) -> tuple[int | None, bytes]:
-    """(status or None, whole answer) of bytes sent as they are on a fresh connection (parts pause seconds apart), read
-    until the answer is whole (its Content-Length) or the server closes the connection: a client library would refuse
-    to send most of what these tests send."""
+def raw_http(port: int, *parts: bytes, pause: float = 0.3, timeout: float = 60,
+             close_wait: float = 0.0) -> tuple[int | None, bytes, bool]:
+    """(status or None, whole answer, closed) of bytes sent as they are on a fresh connection (parts pause seconds
+    apart), read until the answer is whole (its Content-Length) or the server closes the connection; closed: whether
+    the server closed it (waited for close_wait seconds after a whole answer). A client library would refuse to send
+    most of what these tests send."""
+    closed = False
     with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
         for i, part in enumerate(parts):
             if i:
                 time.sleep(pause)
             sock.sendall(part)
         answer = b""
-        with contextlib.suppress(ConnectionResetError):
+        try:
             while chunk := sock.recv(1 << 16):
                 answer += chunk
                 head, sep, body = answer.partition(b"\r\n\r\n")
@@ -362,8 +455,16 @@ def raw_http(port: int, *parts: bytes, pause: float = 0.3, timeout: float = 60) 
                           if line.lower().startswith(b"content-length:")]
                 if sep and length and len(body) >= length[0]:
                     break
+            else:
+                closed = True
+            if not closed and close_wait:
+                sock.settimeout(close_wait)
+                with contextlib.suppress(TimeoutError):
+                    closed = sock.recv(1) == b""
+        except ConnectionResetError:
+            closed = True
     status = answer.split(b" ", 2)[1] if answer.startswith(b"HTTP/1.") else None
-    return (int(status) if status else None), answer
+    return (int(status) if status else None), answer, closed
 
 
 def test_malformed_http_is_a_clear_status_never_a_traceback(tiny_model):
@@ -387,19 +488,26 @@ def test_malformed_http_is_a_clear_status_never_a_traceback(tiny_model):
             "a header block of many headers": (
                 [post + b"".join(b"X-%d: %s\r\n" % (i, b"a" * 600) for i in range(200)) + b"\r\n"], {400, 431}),
             "a request line that is not HTTP": ([b"HELLO THERE\r\n\r\n"], {400}),
+            "both a Content-Length and chunked": (
+                [post + b"Content-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n"], {400}),
+            "two Content-Lengths that differ": ([post + b"Content-Length: 2\r\nContent-Length: 3\r\n\r\n{} "], {400}),
         }
         for what, (parts, statuses) in cases.items():
             t0 = time.time()
-            status, answer = raw_http(s.port, *parts)
+            # the connection closed after the answer: at once, or (a body not read to its end) once aiohttp has
+            # read what more comes for its lingering time (10 s)
+            status, answer, closed = raw_http(s.port, *parts, close_wait=15 if statuses & {408, 413} else 5)
             assert status in statuses, (what, answer[:300])
-            assert time.time() - t0 < 30, what  # answered, not left to a client's timeout
+            assert time.time() - t0 < 45, what  # answered and closed, not left to a client's timeout
             assert b"Traceback" not in answer, what
+            assert closed, (what, answer[:300])
         # a body cut short by a client that goes away: nothing to answer, nothing logged
         with socket.create_connection(("127.0.0.1", s.port)) as sock:
             sock.sendall(post + b"Content-Length: 100\r\n\r\n{\"prompt\"")
         assert s.request("GET", "/health")[0] == 200
         assert s.client().completions.create(model="any", prompt="a", max_tokens=2).usage.completion_tokens == 2
         assert s.metric("flexoffload_requests_total") == 1  # none of the malformed ones counted as a request
+        assert s.metric("flexoffload_requests_active") == 0 and s.metric("flexoffload_queue_length") == 0
         assert s.metric("llamacpp:requests_processing") == 0
         lines = s.stop()
     assert "Traceback" not in lines and "Error handling request" not in lines, lines
@@ -429,25 +537,34 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def loading_server(s: Serving, bound: bool) -> int:
+    """llama-server's pid, held stopped (SIGSTOP) before it has loaded the model: as soon as it starts, or once it
+    listens on its socket (bound: it then owes the front's health check an answer it cannot give)."""
+    deadline = time.time() + 120
+    while (pid := s.llama_server()) is None or (bound and not (s.socket_dir / "llama.sock").exists()):
+        assert s.proc.poll() is None and time.time() < deadline, "".join(s.lines)
+        time.sleep(0.002)
+    os.kill(pid, signal.SIGSTOP)
+    assert not any("serving" in line for line in s.lines), "llama-server loaded before the test stopped it"
+    return pid
+
+
 def test_requests_while_the_model_loads_are_503_loading(slow_model):
     """The front listens before llama-server has loaded the model: until it has, every request (health, generation,
-    a body that is not even JSON) is llama-server's own 503 "Loading model". llama-server is held stopped (SIGSTOP)
-    while it loads, so the test does not race the load."""
+    a body that is not even JSON) is at once llama-server's own 503 "Loading model", with a Retry-After. llama-server
+    is held stopped (SIGSTOP) while it loads, so the test does not race the load."""
     s = Serving("-m", str(slow_model), "-c", "256", "-np", "1", port=free_port(), wait=False)
     with s:
-        deadline = time.time() + 120
-        while (pid := s.llama_server()) is None:
-            assert s.proc.poll() is None and time.time() < deadline, "".join(s.lines)
-            time.sleep(0.005)
-        os.kill(pid, signal.SIGSTOP)
+        pid = loading_server(s, bound=False)
         try:
-            assert not any("serving" in line for line in s.lines), "llama-server loaded before the test stopped it"
             for method, path, body in (("GET", "/health", None), ("GET", "/v1/models", None),
                                        ("POST", "/v1/completions", json.dumps({"prompt": "a"}).encode()),
                                        ("POST", "/v1/chat/completions", b"not json")):
-                status, answer = s.request(method, path, body)
+                t0 = time.time()
+                status, answer, headers = s.request(method, path, body, timeout=30, with_headers=True)
                 assert status == 503 and answer["error"] == {"code": 503, "message": "Loading model",
                                                              "type": "unavailable_error"}, (path, answer)
+                assert int(headers.get("Retry-After") or 0) > 0 and time.time() - t0 < 5, (path, dict(headers))
         finally:
             os.kill(pid, signal.SIGCONT)
         s.wait_ready()
@@ -456,13 +573,36 @@ def test_requests_while_the_model_loads_are_503_loading(slow_model):
         s.stop()
 
 
+@pytest.mark.parametrize("bound", [False, True], ids=["starting", "listening"])
+def test_sigterm_while_the_model_loads(slow_model, bound):
+    """SIGTERM before llama-server has loaded the model (held stopped as it starts, or once it listens and owes the
+    front an answer to its health check): serve exits 0 within seconds, not after the check's timeout, and leaves
+    no llama-server, process of its, folder or cgroup behind (Serving.stop); a request meanwhile is a 503."""
+    s = Serving("-m", str(slow_model), "-c", "256", "-np", "1", "--mem", "200M", "--enforce", port=free_port(),
+                wait=False)
+    with s:
+        s.server_pid = loading_server(s, bound)
+        assert s.request("GET", "/v1/models", timeout=30)[0] == 503
+        t0 = time.time()
+        lines = s.stop()
+        assert time.time() - t0 < 8, lines  # llama-server's SIGTERM is pending while it is stopped: 3 s, then SIGKILL
+    assert "Traceback" not in lines and "stopped after 0 requests" in lines, lines
+
+
 def test_sigterm_with_requests_in_flight(slow_model):
-    """SIGTERM while one request streams, one waits in the queue not streamed and one streamed: each gets a clear
-    answer at once (the waiting ones a 503, the stream its end, cut before [DONE]), serve exits 0 and leaves no
-    llama-server, folder or cgroup behind (Serving.stop). On the way: a request without the key is a 401 while the
-    queue is full, not a 503 and not a place in it (the key is checked before a request waits)."""
+    """SIGTERM while one request streams, one waits in the queue not streamed and one streamed, one has sent half its
+    body and one connection is idle between requests: each gets a clear answer at once (the waiting ones a 503, the
+    stream its end, cut before [DONE]; the half-sent and the idle connections are closed), serve exits 0 and leaves
+    no llama-server, process of its, folder or cgroup behind (Serving.stop). On the way: a request without the key
+    is a 401 while the queue is full, not a 503 and not a place in it (the key is checked before a request waits)."""
     with Serving("-m", str(slow_model), "-c", "1024", "-np", "1", "--queue", "2", "--api-key", "k") as s:
         key = {"Authorization": "Bearer k"}
+        half = socket.create_connection(("127.0.0.1", s.port), timeout=30)
+        half.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer k\r\n"
+                     b"Content-Length: 100\r\n\r\n{\"prompt\"")
+        idle = socket.create_connection(("127.0.0.1", s.port), timeout=30)
+        idle.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert idle.recv(1 << 16).startswith(b"HTTP/1.1 200")
         streaming = http.client.HTTPConnection("127.0.0.1", s.port, timeout=60)
         streaming.request("POST", "/v1/completions", headers=key, body=json.dumps(
             {"prompt": "a b c", "max_tokens": 900, "stream": True, "temperature": 0}))
@@ -501,6 +641,12 @@ def test_sigterm_with_requests_in_flight(slow_model):
         with contextlib.suppress(ConnectionError, http.client.HTTPException):
             rest = stream.read()
         assert b"[DONE]" not in rest  # cut: not a stream that looks complete
+        for sock in (half, idle):
+            with sock, contextlib.suppress(ConnectionResetError):
+                answer = b""
+                while chunk := sock.recv(1 << 16):  # to its close (a timeout fails the test)
+                    answer += chunk
+                assert answer == b"" or answer.startswith(b"HTTP/1.1 503"), answer
         assert time.time() - t0 < 15
         lines = s.stop()
     assert "Traceback" not in lines, lines
@@ -679,6 +825,38 @@ def test_speculation_that_does_not_fit_the_budget_serves_without_it(kquant_model
     r = cli("serve", "-m", str(kquant_model), "--port", "0", "--spec-type", "recycle")
     assert r.returncode != 0 and "recycle is run's own drafter" in r.stderr and "Traceback" not in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+@pytest.fixture(scope="module")
+def moe_model(tmp_path_factory) -> Path:
+    """A synthetic qwen3moe (Qwen3-30B-A3B's pattern, small: 16 experts a layer, 4 used) whose experts are wide
+    enough (nearly all of its 7 MiB) for a budget to stream them, and whose greedy text varies with the prompt."""
+    shape = replace(synth.SHAPES["qwen3moe-tiny"], n_ff_expert=1024)
+    return synth.write(tmp_path_factory.mktemp("models") / "moe.gguf", shape)
+
+
+def test_a_mixture_of_experts_served_streamed_gives_llama_completions_text(moe_model):
+    """A MoE end to end at the least budget: the plan streams its expert tensors (by expert: llama-server reads a
+    token's routed experts, patch 0018), and each completion's greedy text is llama-completion's on the same file, in
+    memory; the prompts' texts differ (the check is not one of a model that says the same whatever it is asked)."""
+    flags = ["-c", "256", "-np", "2", "--strategy", "stream"]
+    budget = minimum_mib(moe_model, *flags)
+    with Serving("-m", str(moe_model), *flags, "--mem", f"{budget}M") as s:
+        cmd = Path(f"/proc/{s.server_pid}/cmdline").read_bytes().split(b"\0")
+        streamed = [part for part in cmd if part.endswith(b"=STREAMED")]
+        assert any(b"ffn_up_exps" in part for part in streamed), streamed
+        env = dict(kv.split(b"=", 1) for kv in Path(f"/proc/{s.server_pid}/environ").read_bytes().split(b"\0") if kv)
+        assert b"LLAMA_STREAM_EXPERT_SLOTS" in env
+        texts = {}
+        for prompt in ("q r s t u v", "m n o p q"):
+            status, answer = s.request("POST", "/v1/completions", json.dumps(
+                {"prompt": prompt, "max_tokens": 24, "temperature": 0}).encode())
+            assert status == 200, answer
+            texts[prompt] = answer["choices"][0]["text"]
+            assert texts[prompt] == llama_completion(moe_model, prompt, 24, ctx=256), prompt
+        assert len(set(texts.values())) == 2
+        assert s.metric("flexoffload_disk_read_bytes_per_pass") > 0  # the experts are read as tokens route to them
+        s.stop()
 
 
 def test_the_front_is_loaded_only_by_serve():

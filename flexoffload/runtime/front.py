@@ -6,8 +6,9 @@ answer back, server-sent events as each chunk comes. It adds what llama-server l
 is not JSON is a 400 (llama-server answers 500); at most N requests generate at once and a bounded number wait, 503
 beyond; the API key is checked before a request waits; /metrics gains the bytes read from disk per token and per
 decode pass, the queue and the memory peak; a client that goes away has its upstream connection closed, which
-llama-server takes as a cancellation; until the model answers, every request is llama-server's 503 "Loading model";
-when serve stops, a waiting or generating request is a 503 (a stream ends with an error event).
+llama-server takes as a cancellation; until the model answers, every request is llama-server's 503 "Loading model"
+(with Retry-After, as a full queue's 503); when serve stops, a waiting or generating request is a 503 (a stream
+ends with an error event).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ MAX_BODY = 64 << 20  # bytes of a request body
 MAX_LINE = 8190
 MAX_HEADERS = 100
 BODY_IDLE_S = 10.0  # a body that stops coming this long is a 408 (it also ends a body aiohttp's parser gave up on)
+RETRY_AFTER_S = 1  # a 503 while the model loads or the queue is full says when to try again (Retry-After)
 SHUTDOWN_S = 2.0  # time the handlers have to answer once serve stops, before their connections are closed
 KEEPALIVE_S = 75.0  # an idle client connection is closed after this
 
@@ -45,16 +47,20 @@ HOP_HEADERS = frozenset({"connection", "keep-alive", "transfer-encoding", "conte
 
 class HttpError(Exception):
     """A request the front answers itself, in llama-server's error shape; close: the connection closes after it (the
-    body was not read to its end)."""
+    body was not read to its end); retry_after: seconds after which the same request may succeed (a 503 that
+    passes: loading, a full queue)."""
 
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", close: bool = False):
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", close: bool = False,
+                 retry_after: int | None = None):
         super().__init__(message)
         self.status, self.message, self.kind, self.close = status, message, kind, close
+        self.retry_after = retry_after
 
     def response(self) -> web.Response:
         """The error as an aiohttp response."""
+        headers = {"Retry-After": str(self.retry_after)} if self.retry_after is not None else None
         response = web.Response(status=self.status, body=error_body(self.status, self.message, self.kind),
-                                content_type="application/json", charset="utf-8")
+                                content_type="application/json", charset="utf-8", headers=headers)
         if self.close:
             response.force_close()
         return response
@@ -216,7 +222,7 @@ class Front:
         if self.stopping.is_set():
             raise HttpError(503, "the server is stopping", "unavailable_error", close=True)
         if not self.ready:
-            raise HttpError(503, "Loading model", "unavailable_error")
+            raise HttpError(503, "Loading model", "unavailable_error", retry_after=RETRY_AFTER_S)
         # a browser's CORS preflight carries no key (llama-server answers it without one)
         if self.listen.api_key and path not in PUBLIC and request.method != "OPTIONS" and not self.authorized(request):
             raise HttpError(401, "Invalid API Key", "authentication_error")
@@ -230,7 +236,7 @@ class Front:
         if c.active + c.waiting >= self.n_parallel + self.listen.queue:
             c.rejected += 1
             raise HttpError(503, f"the queue is full ({c.active} requests generating, {c.waiting} waiting): try "
-                                 f"again later", "unavailable_error")
+                                 f"again later", "unavailable_error", retry_after=RETRY_AFTER_S)
         try:
             await self.take_sequence()
         except asyncio.CancelledError:  # the client went away while it waited

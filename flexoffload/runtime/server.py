@@ -279,6 +279,22 @@ class Served:
     peak_mem_mb: float
 
 
+async def _healthy_unless(front, stop: asyncio.Event) -> bool:
+    """Whether llama-server answers its health check; False at once where stop is set first (a llama-server busy
+    loading may take the check's whole timeout to answer: a signal then is not left waiting for it)."""
+    health = asyncio.ensure_future(front.upstream_healthy())
+    stopping = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({health, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopping.cancel()
+        if not health.done():
+            health.cancel()
+    if not health.done() or health.cancelled():
+        return False
+    return health.result()
+
+
 async def _serve(model: str, settings: Settings, n_parallel: int, listen: Listen, cgroup_limit: int | None,
                  budget: int | None, extra: tuple[str, ...], echo, on_ready,
                  speculation: Speculation | None) -> Served:
@@ -312,13 +328,14 @@ async def _serve(model: str, settings: Settings, n_parallel: int, listen: Listen
             raise_memlock_limit()
         child = front.child = Child(cmd, environment(settings, speculation), cgroup_limit, settings.verbose)
         t0 = time.perf_counter()
-        while not await front.upstream_healthy():
+        while not await _healthy_unless(front, stop):
             if child.proc.poll() is not None:
                 raise FlexoffloadError(f"llama-server stopped while loading (exit {child.proc.returncode}): "
                                        f"{child.last_error()}")
             if stop.is_set():
                 return Served(0, 0, 0, child.memory()[1] / (1 << 20))
-            await asyncio.sleep(0.1)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(stop.wait(), 0.1)
         if settings.strategy != "mmap":  # as the engine does after loading: the page cache reading left
             drop_file_cache(model)
         front.counts.read_base = child.disk_read_bytes()
