@@ -59,7 +59,7 @@ def test_a_moe_streamed_by_expert_gives_mmap_s_tokens(name, slots, tmp_path):
                                                expert_reads="routed"))
     experts = {t.name for t in m.tensors if t.kind == "expert"}
     assert experts <= set(prepared.plan.streamed) and not experts & set(prepared.plan.resident)
-    assert prepared.plan.memory.experts >= expertcache.memory(m, prepared.plan.experts["slots"])
+    assert prepared.plan.memory.experts >= expertcache.memory(m, prepared.plan.experts.slots)
     streamed = api.run_prepared(prepared)
     assert streamed["tokens"] == alone["tokens"]
     t = streamed["timings"]
@@ -87,7 +87,7 @@ def test_expert_tensors_streamed_whole_give_mmap_s_tokens_and_every_pass_reads_t
     mem = max(run_minimum(m, run), run_minimum(dataclasses.replace(m, n_expert=0, n_expert_used=0), run))
     prepared = api.prepare(dataclasses.replace(request, mem=str(mem), strategy="stream", expert_reads="whole"))
     streamed = {t.name for t in m.tensors if t.kind == "expert"} & set(prepared.plan.streamed)
-    assert prepared.plan.experts["whole"] and streamed
+    assert prepared.plan.experts.whole and streamed
     whole = api.run_prepared(prepared)
     assert whole["tokens"] == alone["tokens"]
     t = whole["timings"]

@@ -172,16 +172,16 @@ def test_the_plan_streams_expert_tensors_whole_where_that_is_predicted_faster(wi
     budget = wide.weight_bytes * 3 // 4
     whole = make_plan(wide, budget, "balanced", SLOW_SLICES)
     routed = make_plan(wide, budget, "balanced", SLOW_SLICES, whole=False)
-    assert whole.experts["whole"] and not routed.experts.get("whole")
+    assert whole.experts.whole and not routed.experts.whole
     assert whole.predicted_tok_s > routed.predicted_tok_s
     # streamed whole: no cache, and every streamed expert tensor read whole each token
     expert_names = {t.name for t in wide.tensors if t.kind == "expert"}
     streamed = expert_names & set(whole.streamed)
-    assert streamed and whole.memory.experts == 0 and whole.experts["slots"] == 0
-    assert whole.experts["bytes_per_token"] == sum(t.n_bytes for t in wide.tensors if t.name in streamed)
+    assert streamed and whole.memory.experts == 0 and whole.experts.slots == 0
+    assert whole.experts.bytes_per_token == sum(t.n_bytes for t in wide.tensors if t.name in streamed)
     assert whole.memory.total <= budget
     fast = make_plan(wide, budget, "balanced", FAST_SLICES)
-    assert not fast.experts.get("whole")
+    assert not fast.experts.whole
     assert fast.predicted_tok_s >= make_plan(wide, budget, "balanced", FAST_SLICES, whole=True).predicted_tok_s
 
 
@@ -189,4 +189,4 @@ def test_expert_slots_are_refused_with_expert_tensors_read_whole(wide):
     with pytest.raises(FlexoffloadError, match="expert slots"):
         make_plan(wide, wide.weight_bytes * 3 // 4, "balanced", SLICES, slots=2, whole=True)
     # slots given: the routed experts are read, whatever is faster
-    assert not make_plan(wide, wide.weight_bytes * 3 // 4, "balanced", SLOW_SLICES, slots=0).experts.get("whole")
+    assert not make_plan(wide, wide.weight_bytes * 3 // 4, "balanced", SLOW_SLICES, slots=0).experts.whole

@@ -165,7 +165,7 @@ def test_every_policy_gives_the_same_tokens_over_rpc(tmp_path, one_machine):
                 "-c", "256", "-b", "32", "-o", str(directory), check=True)
         assert "predicted" in r.stdout
         plan = plans.read(directory)
-        assert plan.placement["policy"] == policy and plan.placement["per_device"][0]["memory"] <= device
+        assert plan.placement.policy == policy and plan.placement.per_device[0].memory <= device
         placed = api.generate(dataclasses.replace(request, plan_dir=str(directory), rpc=endpoint))
         assert placed["tokens"] == alone["tokens"], policy
     # run --rpc --mem without a saved plan: placed (auto) and run in one step

@@ -101,7 +101,7 @@ def test_plan_then_run_by_it_is_run_under_the_budget(shape, extra, cache, tmp_pa
     direct = api.prepare(request_from_args([*flags, "-p", "a b c d"]))
     assert json.loads((out / "plan.json").read_text()) == (direct.plan or direct.mmap_plan).to_dict()
     if shape is MOE and direct.plan:
-        assert direct.plan.experts and direct.plan.experts["slots"] >= 0
+        assert direct.plan.experts is not None and direct.plan.experts.slots >= 0
     run = ["-p", "a b c d", "-n", "8", "--temp", "0", "--json"]
     by_plan = cli("run", "--plan", str(out), *flags, *run)
     under_budget = cli("run", *flags, *run)

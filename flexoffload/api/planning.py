@@ -88,7 +88,7 @@ def plan_for_run(model, r, limit: int | None, n_outputs: int = 1, n_seq_max: int
     if r.plan_dir:
         plan = plans.read(r.plan_dir)
         relative = r.mem and budgets.is_relative(r.mem)
-        source = Path(plan.precision["source"]) if plan.precision else model.path
+        source = Path(plan.precision.source) if plan.precision is not None else model.path
         of = f" (--mem {r.mem} of {source.name}, {format_size(source.stat().st_size)})" if relative else ""
         placement.check_fits(plan, model, limit, r.plan_dir, of)
         return plan

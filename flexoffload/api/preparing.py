@@ -41,8 +41,8 @@ def _model(w) -> tuple[Model, Model]:
     must be its source)."""
     if w.plan_dir:
         plan = plans.read(w.plan_dir)
-        if plan.precision:
-            source = Path(plan.precision["source"])
+        if plan.precision is not None:
+            source = Path(plan.precision.source)
             given = catalog.resolve(w.model).resolve() if w.model is not None else None
             if given is not None and given not in (source.resolve(), Path(plan.model).resolve()):
                 raise FlexoffloadError(f"the plan in {w.plan_dir} was made for {source.name}, not "
@@ -186,11 +186,11 @@ def settings_for(w, plan, limit: int | None, model, tree: bool) -> tuple[engine.
         rpc=tuple(devices.parse_endpoints(w.rpc)) if w.rpc else (),
         n_ubatch=w.n_ubatch, flash_attn=w.flash_attn, type_k=w.cache_type_k, type_v=w.cache_type_v,
         decode_ubatch=decode_ubatch, resident_after_prefill=tuple(after),
-        n_gpu_layers=plan.placement["n_gpu_layers"] if plan and plan.placement else w.n_gpu_layers,
-        tensor_split=tuple(plan.placement["tensor_split"]) if plan and plan.placement else (),
+        n_gpu_layers=plan.placement.n_gpu_layers if plan and plan.placement else w.n_gpu_layers,
+        tensor_split=plan.placement.tensor_split if plan and plan.placement else (),
         window=(w.window if w.window is not None else plan.window) if plan else 0,
-        expert_slots=plan.experts["slots"] if plan and plan.experts else -1,
-        expert_whole=bool(plan and plan.experts and plan.experts.get("whole")),
+        expert_slots=plan.experts.slots if plan and plan.experts else -1,
+        expert_whole=bool(plan and plan.experts and plan.experts.whole),
         io_threads=w.io_threads or (plan.io_threads if plan else IO_THREADS), verbose=w.verbose)
     return settings, decode_tok_s
 

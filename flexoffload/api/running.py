@@ -46,8 +46,9 @@ def _report_plan(p: Prepared) -> dict:
            "memory_mb": plan.memory.total / MiB, "unreclaimable_mb": plan.memory.unreclaimable / MiB,
            "resident_mb": plan.memory.resident / MiB, "streamed_mb": plans.streamed_bytes(plan, model) / MiB,
            "predicted_tok_s": plan.predicted_tok_s, "roofline_tok_s": plan.roofline_tok_s}
-    if plan.precision:  # the model run is the plan's requantized file (result["model"])
-        out["precision"] = {k: plan.precision[k] for k in ("source", "types", "predicted_kld")}
+    if plan.precision is not None:  # the model run is the plan's requantized file (result["model"])
+        out["precision"] = {"source": plan.precision.source, "types": plan.precision.types,
+                            "predicted_kld": plan.precision.predicted_kld}
     if settings.resident_after_prefill:
         sizes = {t.name: t.n_bytes for t in model.tensors}
         out["after_prefill"] = {"resident_mb": sum(sizes[n] for n in settings.resident_after_prefill) / MiB,

@@ -75,17 +75,17 @@ by measure/dryrun.py)."""
 def _describe_placement(model, p, out_dir) -> None:
     """`plan --rpc`: weights placed across the servers' devices, the host's share planned under its budget."""
     at = p.placement
-    cost = at["cost"]
-    click.echo(f"{model.path.name}: {at['policy']} placement, written to {out_dir} (llama.cpp: "
-               f"{' '.join(at['llama_args'])} -ot tensors.ot)")
+    cost = at.cost
+    click.echo(f"{model.path.name}: {at.policy} placement, written to {out_dir} (llama.cpp: "
+               f"{' '.join(at.llama_args())} -ot tensors.ot)")
     click.echo(f"  this machine: resident {p.memory.resident / MiB:.0f} MiB, streamed "
                f"{plans.streamed_bytes(p, model) / MiB:.0f} MiB a token, {p.memory.total / MiB:.0f} of "
-               f"{p.budget / MiB:.0f} MiB; compute {cost['host_compute_s'] * 1e3:.1f} ms a token")
-    for d in at["per_device"]:
-        click.echo(f"  {d['name']}: {d['memory'] / MiB:.0f} of {d['budget'] / MiB:.0f} MiB; compute "
-                   f"{d['compute_s'] * 1e3:.1f} ms a token")
-    click.echo(f"  {cost['visits']} visit(s) to the devices a token, {cost['transfer_bytes'] / 1024:.0f} KiB over the "
-               f"links, {cost['transfer_s'] * 1e3:.1f} ms; predicted {p.predicted_tok_s:.2f} tok/s")
+               f"{p.budget / MiB:.0f} MiB; compute {cost.host_compute_s * 1e3:.1f} ms a token")
+    for d in at.per_device:
+        click.echo(f"  {d.name}: {d.memory / MiB:.0f} of {d.budget / MiB:.0f} MiB; compute "
+                   f"{d.compute_s * 1e3:.1f} ms a token")
+    click.echo(f"  {cost.visits} visit(s) to the devices a token, {cost.transfer_bytes / 1024:.0f} KiB over the "
+               f"links, {cost.transfer_s * 1e3:.1f} ms; predicted {p.predicted_tok_s:.2f} tok/s")
 
 
 def _plan_precision(model, budget, profile, ctx_size, batch_size, threads, io_threads, max_kld, min_tok_s, original,
@@ -112,13 +112,13 @@ def _plan_precision(model, budget, profile, ctx_size, batch_size, threads, io_th
              "predicted_tok_s": x.predicted_tok_s} for x in walk.points]}))
         return
     r = p.precision
-    click.echo(f"{model.path.name}: {len(r['types'])} tensors lowered ({len(r['steps'])} steps), weights "
-               f"{format_size(r['source_weight_bytes'])} -> {format_size(r['weight_bytes'])}, written to {p.model}"
+    click.echo(f"{model.path.name}: {len(r.types)} tensors lowered ({len(r.steps)} steps), weights "
+               f"{format_size(r.source_weight_bytes)} -> {format_size(r.weight_bytes)}, written to {p.model}"
                + (f" (quantized from {Path(original).name})" if original else ""))
     click.echo(f"  predicted {p.predicted_tok_s:.2f} tok/s at {format_size(budget)} (the file's own types: "
-               f"{r['own_types_tok_s']:.2f}); KL divergence summed over the groups {r['predicted_kld']:.4f}")
-    if "measured" in r:
-        q = r["measured"]
+               f"{r.own_types_tok_s:.2f}); KL divergence summed over the groups {r.predicted_kld:.4f}")
+    if r.measured is not None:
+        q = r.measured
         click.echo(f"  measured: KL divergence {q['kld']:.4f} (calibration), {q['held_out_kld']:.4f} (held out); "
                    f"held-out perplexity {q['held_out_ppl']:.3f} vs {q['held_out_ppl_base']:.3f}; UQEst "
                    f"{q['uqest']:.3f} vs {q['uqest_base']:.3f}")
@@ -188,7 +188,7 @@ def plan(out_dir, tune_best, tune_rounds, max_prompt, prompt_len, as_json, **par
     if as_json:
         click.echo(json.dumps(p.to_dict()))
         return
-    if p.placement:
+    if p.placement is not None:
         _describe_placement(model, p, out_dir)
         return
     if p.policy == tuning.MMAP:
@@ -202,13 +202,13 @@ def plan(out_dir, tune_best, tune_rounds, max_prompt, prompt_len, as_json, **par
                f"per token ({len(p.streamed)} tensors) through a window of {p.window} ({m.window / MiB:.0f} MiB)")
     click.echo(f"  KV cache {m.kv_cache / MiB:.0f} MiB, compute buffers {m.compute / MiB:.0f} MiB, "
                f"runtime {m.overhead / MiB:.0f} MiB: {m.total / MiB:.0f} of {p.budget / MiB:.0f} MiB")
-    if p.experts and p.experts.get("whole"):
-        click.echo(f"  experts: streamed whole by the window ({p.experts['bytes_per_token'] / MiB:.0f} MiB a token): "
+    x = p.experts
+    if x is not None and x.whole:
+        click.echo(f"  experts: streamed whole by the window ({x.bytes_per_token / MiB:.0f} MiB a token): "
                    f"predicted faster than reading the routed ones")
-    elif p.experts:
-        x = p.experts
-        click.echo(f"  experts: {x['slots']} of {model.n_expert} cached a layer ({m.experts / MiB:.0f} MiB with a "
-                   f"batch's), predicted hit rate {x['hit_rate']:.0%}, {x['bytes_per_token'] / MiB:.1f} MiB read a token")
+    elif x is not None:
+        click.echo(f"  experts: {x.slots} of {model.n_expert} cached a layer ({m.experts / MiB:.0f} MiB with a "
+                   f"batch's), predicted hit rate {x.hit_rate:.0%}, {x.bytes_per_token / MiB:.1f} MiB read a token")
     click.echo(f"  predicted {p.predicted_tok_s:.2f} tok/s; roofline {p.roofline_tok_s:.2f} tok/s")
     if p.tuning:
         click.echo("  tuned: the candidates, measured under the budget\n" + tuning.describe(p))

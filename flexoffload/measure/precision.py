@@ -12,6 +12,7 @@ from flexoffload.measure import probe
 from flexoffload.measure import requantize
 from flexoffload.measure import profiler
 from flexoffload.measure import sensitivity
+from flexoffload.plan.dimensions import Alternative, Precision
 from flexoffload.plan.mixed import choose, search
 from flexoffload.plan.planners import plan_budget
 
@@ -45,14 +46,16 @@ def plan(model: Model, budget: int, profile, n_ctx: int, n_batch: int, max_kld: 
     residency = plan_budget(mixed, budget, "balanced", own,
                             probe.measure(mixed, n_ctx, n_batch, n_outputs, n_seq_max),
                             io_threads=io_threads or IO_THREADS, draft=draft)
-    record = {"source": str(model.path), "original": str(original) if original else None, "types": point.types,
-              "steps": [list(s) for s in point.steps], "weight_bytes": point.weight_bytes,
-              "source_weight_bytes": model.weight_bytes,
-              "predicted_kld": point.kld, "predicted_uqest_delta": point.uqest_delta,
-              "walk_tok_s": point.predicted_tok_s, "own_types_tok_s": walk_.points[0].predicted_tok_s,
-              "alternatives": [{"type": p.steps[0][1], "predicted_kld": p.kld, "weight_bytes": p.weight_bytes,
-                                "predicted_tok_s": p.predicted_tok_s} for p in walk_.alternatives],
-              "bound": {"max_kld": max_kld if min_tok_s is None else None, "min_tok_s": min_tok_s}}
+    measured = None
     if measure_quality and (point.types or original is not None):
-        record["measured"] = sensitivity.quality(model, path, n_threads)
+        measured = sensitivity.quality(model, path, n_threads)
+    record = Precision(source=str(model.path), original=str(original) if original else None,
+                       types=dict(point.types), steps=tuple(tuple(s) for s in point.steps),
+                       weight_bytes=point.weight_bytes,
+                       source_weight_bytes=model.weight_bytes, predicted_kld=point.kld,
+                       predicted_uqest_delta=point.uqest_delta, walk_tok_s=point.predicted_tok_s,
+                       own_types_tok_s=walk_.points[0].predicted_tok_s,
+                       alternatives=tuple(Alternative(p.steps[0][1], p.kld, p.weight_bytes, p.predicted_tok_s)
+                                          for p in walk_.alternatives),
+                       max_kld=max_kld if min_tok_s is None else None, min_tok_s=min_tok_s, measured=measured)
     return replace(residency, precision=record), walk_

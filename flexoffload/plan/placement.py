@@ -33,6 +33,8 @@ from flexoffload.defaults import LOAD_PIECE_BYTES
 from flexoffload.gguf.model import Model, Tensor
 from flexoffload.memory.budgets import format_size
 from flexoffload.plan.costmodel import Pipeline, Profile
+# Placement and Cost are the plan's records (dimensions.py, which plans.py reads); importable from here as before
+from flexoffload.plan.dimensions import Cost, Placed, Placement, Share
 from flexoffload.plan.pipeline import simulate
 from flexoffload.plan.plans import CPU_BUFT, Memory, Plan
 
@@ -70,33 +72,6 @@ class DeviceProfile:
             return replace(cls.from_dict(d["device"] if "device" in d else d), **({"name": name} if name else {}))
         except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
             raise FlexoffloadError(f"not a device profile: {path} ({e})") from None
-
-
-@dataclass(frozen=True)
-class Placement:
-    """Where the weights go, in llama.cpp's terms (-ngl, -ts, -ot)."""
-
-    policy: str
-    devices: tuple[str, ...]  # buffer type names, in llama.cpp's device order
-    n_gpu_layers: int = 0
-    tensor_split: tuple[float, ...] = ()  # per device; () splits as upstream does (by free memory: equal here)
-    placed: tuple[tuple[str, str], ...] = ()  # (tensor, buffer type) overrides beyond the layers' assignment
-
-    def to_dict(self) -> dict:
-        return {"policy": self.policy, "devices": list(self.devices), "n_gpu_layers": self.n_gpu_layers,
-                "tensor_split": list(self.tensor_split), "placed": [list(p) for p in self.placed]}
-
-    @classmethod
-    def from_dict(cls, d: Mapping) -> "Placement":
-        return cls(policy=d["policy"], devices=tuple(d["devices"]), n_gpu_layers=d["n_gpu_layers"],
-                   tensor_split=tuple(d["tensor_split"]), placed=tuple(tuple(p) for p in d["placed"]))
-
-    def llama_args(self) -> list[str]:
-        """The flags llama.cpp's own tools take for this placement (beside --rpc and -ot tensors.ot)."""
-        args = ["-ngl", str(self.n_gpu_layers)]
-        if self.tensor_split:
-            args += ["-ts", ",".join(f"{x:g}" for x in self.tensor_split)]
-        return args
 
 
 def layer_devices(n_layer: int, n_gpu_layers: int, tensor_split: tuple[float, ...], n_devices: int) -> list[int]:
@@ -172,27 +147,6 @@ def kv_devices(model: Model, placement: Placement) -> list[int]:
 # attention over the KV cache). q, k and v read the same normed input; the biases go with their matrices.
 BLOCK_ORDER = (("attn_norm",), ("attn_q",), ("attn_k",), ("attn_v",), ("attention",), ("attn_output",),
                ("ffn_norm",), ("ffn_gate",), ("ffn_up",), ("ffn_down",))
-
-
-@dataclass(frozen=True)
-class Cost:
-    """A placement's predicted time per decoded token, and where it goes."""
-
-    seconds_per_token: float
-    device_compute_s: tuple[float, ...]  # per device: its operators' time a token
-    host_compute_s: float  # the host's operators (its streaming reads are apart, overlapped by the pipeline)
-    visits: int  # how often a token's graph moves to a device and back
-    transfer_s: float  # the visits' fixed cost and the activations' and logits' bytes
-    transfer_bytes: int
-
-    @property
-    def tok_s(self) -> float:
-        return 1.0 / self.seconds_per_token
-
-    def to_dict(self) -> dict:
-        d = asdict(self)
-        d["device_compute_s"] = list(self.device_compute_s)
-        return d
 
 
 class Walk:
@@ -341,12 +295,10 @@ def to_plan(model: Model, placement: Placement, host: Plan, cost: Cost, device_m
     # home that the host streams needs none either: its STREAMED line comes first, and is on the host
     streamed = set(host.streamed)
     placed = tuple((n, b) for n, b in placement.placed if not (b == CPU_BUFT and n in streamed))
-    devices = [{"name": name, "budget": device_budgets.get(name, 0), "memory": device_memory[i],
-                "compute_s": cost.device_compute_s[i]} for i, name in enumerate(placement.devices)]
+    devices = tuple(Share(name, device_budgets.get(name, 0), device_memory[i], cost.device_compute_s[i])
+                    for i, name in enumerate(placement.devices))
     return replace(host, policy=f"{placement.policy}+{host.policy}", placed=placed,
-                   predicted_tok_s=cost.tok_s,
-                   placement={**placement.to_dict(), "cost": cost.to_dict(), "per_device": devices,
-                              "llama_args": placement.llama_args()})
+                   predicted_tok_s=cost.tok_s, placement=Placed.of(placement, cost, devices))
 
 
 def layers_on(model: Model, layers: Collection[int], buffer_type: str) -> Plan:
@@ -366,7 +318,7 @@ def on_devices(plan: Plan, model: Model) -> set[str]:
     """The tensors a plan puts on other devices, by override or by llama.cpp's layer assignment."""
     if plan.placement is None:
         return {n for n, b in plan.placed if b != CPU_BUFT}
-    where = tensor_devices(model, Placement.from_dict(plan.placement))
+    where = tensor_devices(model, plan.placement)
     return {n for n, d in where.items() if d != HOST}
 
 

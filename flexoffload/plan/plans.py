@@ -24,6 +24,7 @@ from pathlib import Path
 
 from flexoffload import FlexoffloadError
 from flexoffload.plan.costmodel import Profile, looked_up_only, row_bytes
+from flexoffload.plan.dimensions import Experts, Placed, Precision
 
 STREAMED_BUFT = "STREAMED"  # the name the streaming patch registers its buffer type under
 CPU_BUFT = "CPU"  # the CPU's own: an override sending a tensor a layer assignment put on a device back to the host
@@ -71,12 +72,12 @@ class Plan:
     tuning: tuple = ()  # plan --tune: every candidate's policy, window, predicted and measured tok/s (tune.py)
     placed: tuple[tuple[str, str], ...] = ()  # (resident tensor, buffer type) for those an override sends to another
     # device, or back to the CPU (their bytes are not in memory.resident: that is this machine's)
-    placement: dict | None = None  # across devices (placement.py): -ngl, -ts, the devices' predicted time, memory
-    # and transfer; tensors the layer assignment puts on a device are resident here too, at no bytes
-    precision: dict | None = None  # plan --precision auto (mixed.py): the source file, the types changed, the
+    placement: Placed | None = None  # across devices (placement.py): -ngl, -ts, the devices' predicted time,
+    # memory and transfer; tensors the layer assignment puts on a device are resident here too, at no bytes
+    precision: Precision | None = None  # plan --precision auto (mixed.py): the source file, the types changed, the
     # predicted and measured quality; `model` is then the requantized file
-    experts: dict | None = None  # a mixture of experts: the expert cache's slots per layer and policy, the hit rate,
-    # expert bytes read per token and the seconds they add that the plan predicts (expertcache.py)
+    experts: Experts | None = None  # a mixture of experts: the expert cache's slots per layer and policy, the hit
+    # rate, expert bytes read per token and the seconds they add that the plan predicts (expertcache.py)
 
     def write(self, directory: str | os.PathLike) -> Path:
         """Write the plan's files (tensors.ot, plan.json) into directory: `run --plan DIRECTORY` streams by them."""
@@ -89,6 +90,9 @@ class Plan:
         d["placed"] = [list(p) for p in self.placed]
         d["profile"] = self.profile.to_dict() if self.profile else None
         d["tuning"] = [dict(t) for t in self.tuning]
+        for key in ("placement", "precision", "experts"):  # each record's JSON, as plan.json has always had it
+            record = getattr(self, key)
+            d[key] = record.to_dict() if record is not None else None
         return d
 
     @classmethod
@@ -98,7 +102,9 @@ class Plan:
         return cls(**{**d, "memory": Memory(**memory), "resident": tuple(d["resident"]),
                       "streamed": tuple(d["streamed"]), "profile": profile, "tuning": tuple(d.get("tuning", ())),
                       "placed": tuple(tuple(p) for p in d.get("placed", ())),
-                      "placement": d.get("placement")})
+                      "placement": Placed.from_dict(d["placement"]) if d.get("placement") else None,
+                      "precision": Precision.from_dict(d["precision"]) if d.get("precision") else None,
+                      "experts": Experts.from_dict(d["experts"]) if d.get("experts") else None})
 
 
 def streamed_bytes(plan: Plan, model) -> int:
@@ -106,7 +112,7 @@ def streamed_bytes(plan: Plan, model) -> int:
     up (a streamed token_embd the output is not tied to) the one row a token looks up, and of expert tensors the
     routed experts the expert cache is predicted to miss."""
     streamed = set(plan.streamed)
-    experts = plan.experts["bytes_per_token"] if plan.experts else 0  # the routed experts the cache lacks
+    experts = plan.experts.bytes_per_token if plan.experts is not None else 0  # the routed experts the cache lacks
     return experts + sum(row_bytes(t) if looked_up_only(model, t) else t.n_bytes for t in model.tensors
                          if t.name in streamed and t.kind != "expert")
 

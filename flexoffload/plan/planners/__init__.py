@@ -35,6 +35,7 @@ from flexoffload.memory.budgets import format_size
 from flexoffload.memory.footprint import Footprint, costs, smallest_budget
 from flexoffload.plan import expertcache
 from flexoffload.plan.costmodel import Pipeline, Profile, roofline, rows_memory
+from flexoffload.plan.dimensions import Experts
 from flexoffload.plan.planners import balanced
 from flexoffload.plan.planners.baselines import BASELINES
 # is_small: the shared rule, importable from here as before (the policy modules import it from common.py)
@@ -147,8 +148,8 @@ def _moe_plan(model: Model, budget: int, policy: str, profile: Profile, window: 
         p, model=str(model.path), budget=budget, memory=replace(p.memory, experts=experts),
         streamed=tuple(t.name for t in model.tensors if t.name in streamed),
         predicted_tok_s=1.0 / seconds,
-        experts={"slots": c.slots, "policy": "lru", "hit_rate": c.hit_rate, "bytes_per_token": c.bytes_per_token,
-                 "seconds": c.seconds})
+        experts=Experts(slots=c.slots, policy="lru", hit_rate=c.hit_rate, bytes_per_token=c.bytes_per_token,
+                        seconds=c.seconds))
 
 
 def _whole_plan(model: Model, budget: int, policy: str, profile: Profile, window: int | None, io_threads: int,
@@ -167,8 +168,8 @@ def _whole_plan(model: Model, budget: int, policy: str, profile: Profile, window
     streamed = set(p.streamed)
     read = sum(t.n_bytes for t in model.tensors if t.kind == "expert" and t.name in streamed)
     return replace(p, predicted_tok_s=1.0 / (1.0 / p.predicted_tok_s + c.seconds),
-                   experts={"slots": 0, "policy": "lru", "whole": True, "hit_rate": 0.0, "bytes_per_token": read,
-                            "seconds": c.seconds})
+                   experts=Experts(slots=0, policy="lru", hit_rate=0.0, bytes_per_token=read, seconds=c.seconds,
+                                   whole=True))
 
 
 def refuse_below(model: Model, budget: int, need: int, window: int) -> None:
