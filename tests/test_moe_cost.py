@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from flexoffload import FlexoffloadError
+from flexoffload.defaults import cache_dir
 from flexoffload.gguf import synth
 from flexoffload.gguf.model import load
 from flexoffload.measure import profiler
@@ -140,17 +141,25 @@ def test_a_moe_s_profile_is_kept_apart_from_profiles_without_burst_reads(moe, ti
     assert old.expert_read_bw == 0 and old.expert_read_seconds(1000, 1, 4) == BIG.expert_read_seconds(1000, 1, 4)
 
 
-def test_a_moe_run_s_reads_do_not_set_the_disk_speed_dense_plans_use(tmp_path):
+def test_a_moe_run_s_reads_do_not_set_the_disk_speed_dense_plans_use(tmp_path, monkeypatch):
+    """In a cache of the test's own (the session's models still read through it): the slow disk speed recorded here
+    is the device's, and the session's later plans on this disk would plan with it."""
     path = tmp_path / "model.gguf"
     path.write_bytes(b"\0" * 4096)
+    session, seen = cache_dir(), profiler.seen_disk_bw(path)
+    own = tmp_path / "cache"
+    own.mkdir()
+    (own / "models").symlink_to(session / "models")
+    monkeypatch.setenv("FLEXOFFLOAD_CACHE", str(own))
     timings = {"stream_bytes_read": 2 << 30, "stream_direct": 900, "stream_reads": 900, "stream_read_gb_s": 0.7,
                "stream_stall_s": 2.0}
-    before = profiler.seen_disk_bw(path)  # per device: other tests' runs on this disk may be there already
+    assert profiler.seen_disk_bw(path) == []
     profiler.record_run(path, {**timings, "expert_uses": 4000})
-    assert profiler.seen_disk_bw(path) == before
+    assert profiler.seen_disk_bw(path) == []
     profiler.record_run(path, timings)  # the same reads without experts: a pass's, the disk set the pace
-    assert profiler.seen_disk_bw(path)[-1] == pytest.approx(0.7e9)
-    assert len(profiler.seen_disk_bw(path)) in (len(before) + 1, len(before))  # a bounded list drops its oldest
+    assert profiler.seen_disk_bw(path) == [pytest.approx(0.7e9)]
+    monkeypatch.setenv("FLEXOFFLOAD_CACHE", str(session))
+    assert profiler.seen_disk_bw(path) == seen  # the session's plans on this disk see none of it
 
 
 @pytest.fixture(scope="module")
