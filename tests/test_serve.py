@@ -683,11 +683,15 @@ def test_llama_server_flags_from_the_runs_settings():
     assert args[-1] == "--jinja" and "--no-repack" in args and pairs["--host"] == "/tmp/x/llama.sock"
     assert server.environment(settings) == {"LLAMA_STREAM_WINDOW": "2", "LLAMA_STREAM_IO_THREADS": "5",
                                             "LLAMA_STREAM_CHUNK_BYTES": str(settings.chunk_bytes),
-                                            "LLAMA_STREAM_EXPERT_SLOTS": "4", "LLAMA_STREAM_EXPERT_WHOLE": "0"}
+                                            "LLAMA_STREAM_EXPERT_SLOTS": "4", "LLAMA_STREAM_EXPERT_WHOLE": "0",
+                                            "GGML_CPU_TILED_MM": "0"}
     # a plan that streams a MoE's expert tensors whole (patch 0021)
     assert server.environment(replace(settings, expert_whole=True))["LLAMA_STREAM_EXPERT_WHOLE"] == "1"
     mmap = server.llama_server_args("/m/model.gguf", Settings(strategy="mmap"), 1, "/s.sock")
-    assert "-ot" not in mmap and mmap[mmap.index("-lm") + 1] == "mmap" and server.environment(Settings()) == {}
+    assert "-ot" not in mmap and mmap[mmap.index("-lm") + 1] == "mmap"
+    # row-by-row kernels unless --tiled (llama.cpp's own kernels: nothing set)
+    assert server.environment(Settings()) == {"GGML_CPU_TILED_MM": "0"}
+    assert server.environment(Settings(), tiled=True) == {}
 
 
 def test_llama_server_flags_of_speculation():
@@ -714,7 +718,7 @@ def test_llama_server_flags_of_speculation():
     assert pairs["--spec-ngram-map-k-size-n"] == "4" and pairs["--spec-ngram-map-k-size-m"] == "12"
     assert ngrams.rows == 13
     assert server.environment(settings, ngrams)["GGML_CPU_TILED_MM"] == "0"
-    assert "GGML_CPU_TILED_MM" not in server.environment(settings)
+    assert "GGML_CPU_TILED_MM" not in server.environment(settings, ngrams, tiled=True)
     assert "--spec-type" not in server.llama_server_args("/m/model.gguf", settings, 2, "/s.sock")
     for flag in ("-md", "--spec-type", "--spec-draft-n-max", "-ctkd"):
         with pytest.raises(FlexoffloadError, match="serve's own"):

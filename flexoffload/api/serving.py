@@ -18,14 +18,16 @@ def speculation(p) -> server.Speculation | None:
     return server_speculation(p.draft, p.free, p.request)
 
 
-def serve(request, n_parallel: int, listen, enforce: bool = False, extra: tuple[str, ...] = (), on_ready=None):
+def serve(request, n_parallel: int, listen, enforce: bool = False, extra: tuple[str, ...] = (), on_ready=None,
+          tiled: bool = False):
     """`flexoffload serve`: llama-server for n_parallel sequences, prepared and planned as `run` is (the plan for that
     many sequences, the same settings, cgroup and page-cache handling; the speculation run would choose, as
     llama-server's own), behind the front (runtime/server.py: listen is its Listen), until SIGINT or SIGTERM.
-    on_ready(port, load_s, prepared, enforced) once it answers; returns server.Served."""
+    on_ready(port, load_s, prepared, enforced) once it answers; tiled: llama.cpp's tiled kernels instead of the
+    row-by-row ones (server.environment); returns server.Served."""
     p = prepare(replace(request, prompt=request.prompt or " "), n_seq_max=n_parallel, server=True)  # no prompt
     tell(p.notes)
     limit = p.limit if enforce and enforceable(p) else None
     ready = (lambda port, load_s: on_ready(port, load_s, p, limit is not None)) if on_ready else None
     return server.serve(str(p.model.path), p.settings, n_parallel, listen, limit, p.limit, extra,
-                        lambda line: tell([line]), ready, speculation(p))
+                        lambda line: tell([line]), ready, speculation(p), tiled)

@@ -140,14 +140,15 @@ def llama_server_args(model: str, settings: Settings, n_parallel: int, socket_pa
     return args + list(extra)
 
 
-def environment(settings: Settings, speculation: Speculation | None = None) -> dict[str, str]:
+def environment(settings: Settings, speculation: Speculation | None = None, tiled: bool = False) -> dict[str, str]:
     """The streaming runtime's settings as the patched llama.cpp reads them from the environment (patches 0002,
-    0007), what engine.Engine sets through the C API (stream.configure); and the kernels speculation needs."""
+    0007), what engine.Engine sets through the C API (stream.configure); and the kernels (tiled: llama.cpp's own)."""
     env = {}
-    if speculation is not None:
-        # a verification pass holds 1 + n_max rows of a sequence; with the tiled kernels (K-quants from 8 rows, patch
-        # 0009) those rows round otherwise than the one-row passes the target alone decodes in, and a near tie can
-        # flip a greedy token: row-by-row kernels keep speculation's output the target's (as run's verification is)
+    if not tiled:
+        # row-by-row kernels in every pass (patch 0009's switch): with the tiled ones (K-quants from 8 rows) a row
+        # rounds by how many rows share its pass (8 requests decoding together, a verification pass's 1 + n_max), so
+        # a near tie could flip a greedy token; row by row, a request's text is run's whatever else is served and
+        # speculation's is the target alone's. --tiled: llama.cpp's kernels, about a quarter faster for such passes.
         env["GGML_CPU_TILED_MM"] = "0"
     if settings.strategy != "mmap":
         env.update(LLAMA_STREAM_WINDOW=str(settings.window), LLAMA_STREAM_IO_THREADS=str(settings.io_threads),
@@ -297,7 +298,7 @@ async def _healthy_unless(front, stop: asyncio.Event) -> bool:
 
 async def _serve(model: str, settings: Settings, n_parallel: int, listen: Listen, cgroup_limit: int | None,
                  budget: int | None, extra: tuple[str, ...], echo, on_ready,
-                 speculation: Speculation | None) -> Served:
+                 speculation: Speculation | None, tiled: bool) -> Served:
     """serve's life: listen, start llama-server and wait until it answers, serve until a signal, then stop in order
     (the front first: its requests are answered and their upstream connections closed; then llama-server)."""
     from flexoffload import native
@@ -326,7 +327,7 @@ async def _serve(model: str, settings: Settings, n_parallel: int, listen: Listen
                                    f"{e.strerror or e}") from None
         if settings.strategy != "mmap":
             raise_memlock_limit()
-        child = front.child = Child(cmd, environment(settings, speculation), cgroup_limit, settings.verbose)
+        child = front.child = Child(cmd, environment(settings, speculation, tiled), cgroup_limit, settings.verbose)
         t0 = time.perf_counter()
         while not await _healthy_unless(front, stop):
             if child.proc.poll() is not None:
@@ -364,10 +365,10 @@ async def _serve(model: str, settings: Settings, n_parallel: int, listen: Listen
 
 def serve(model: str, settings: Settings, n_parallel: int, listen: Listen, cgroup_limit: int | None = None,
           budget: int | None = None, extra: tuple[str, ...] = (), echo=None, on_ready=None,
-          speculation: Speculation | None = None) -> Served:
+          speculation: Speculation | None = None, tiled: bool = False) -> Served:
     """Serve model by settings to n_parallel sequences until SIGINT or SIGTERM, then stop llama-server, remove its
     cgroup and temporary folder. cgroup_limit: llama-server's memory cgroup (None: none); budget: the --mem it
     plans for (reported in /metrics); extra: llama-server's own flags; on_ready(port, load_s) once it answers;
-    speculation: llama-server's own (None: none)."""
+    speculation: llama-server's own (None: none); tiled: llama.cpp's tiled kernels (environment)."""
     return asyncio.run(_serve(model, settings, n_parallel, listen, cgroup_limit, budget, extra, echo, on_ready,
-                              speculation))
+                              speculation, tiled))
