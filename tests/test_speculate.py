@@ -13,7 +13,10 @@ from flexoffload.runtime import drafters
 from flexoffload.runtime import engine
 from flexoffload.gguf import catalog
 from flexoffload.runtime import speculate
+from flexoffload.runtime import specsettings
+from flexoffload.runtime import specstate
 from flexoffload.runtime import spectree
+from flexoffload.runtime import verify
 from flexoffload.gguf import synth
 from flexoffload.gguf.model import load
 from flexoffload.runtime.spectree import Options
@@ -83,14 +86,14 @@ def test_a_draft_step_the_pipeline_aborts_leaves_the_draft_cache_as_it_was(tiny_
         mem = lib.llama_get_memory(d.ctx)
         before = lib.llama_memory_seq_pos_max(mem, 0)
         tokens = d.tokenize("a b c d e")
-        spec.call.dbatch = speculate._Batch(lib, d.n_batch, 1)  # generate freed its own
-        lib.llama_set_abort_callback(d.ctx, spec.abort, None)
+        spec.call.dbatch = specstate._Batch(lib, d.n_batch, 1)  # generate freed its own
+        lib.llama_set_abort_callback(d.ctx, spec.verifier.abort, None)
         try:
-            spec.target_done = True  # the target's pass is over
-            assert spec.draft_decode(tokens, before + 1, 0) is None
+            spec.verifier.target_done = True  # the target's pass is over
+            assert spec.grower.draft_decode(spec.call, tokens, before + 1, 0) is None
             assert lib.llama_memory_seq_pos_max(mem, 0) == before
-            spec.target_done = False  # a pass under way: the step runs
-            assert spec.draft_decode(tokens, before + 1, 0) is not None
+            spec.verifier.target_done = False  # a pass under way: the step runs
+            assert spec.grower.draft_decode(spec.call, tokens, before + 1, 0) is not None
             assert lib.llama_memory_seq_pos_max(mem, 0) == before + len(tokens)
         finally:
             lib.llama_set_abort_callback(d.ctx, lib.ggml_abort_callback(), None)
@@ -99,11 +102,11 @@ def test_a_draft_step_the_pipeline_aborts_leaves_the_draft_cache_as_it_was(tiny_
 
 def test_the_pipeline_thread_goes_idle_and_back():
     before = os.sched_getscheduler(0), os.sched_getparam(0).sched_priority
-    saved = speculate._idle_thread()
+    saved = verify._idle_thread()
     try:
         assert saved == before and os.sched_getscheduler(0) == os.SCHED_IDLE
     finally:
-        speculate._restore_thread(saved)
+        verify._restore_thread(saved)
     assert (os.sched_getscheduler(0), os.sched_getparam(0).sched_priority) == before
 
 
@@ -235,7 +238,7 @@ def test_real_verification_pass_without_tiled_kernels_equals_one_token_passes(re
             lib.llama_memory_clear(mem, True)
             e._decode(toks[:n])  # the prompt as a run without speculation reads it: tiled kernels on
             if batched:
-                batch = speculate._Batch(lib, 16, 1)
+                batch = specstate._Batch(lib, 16, 1)
                 batch.fill([(t, n + i, [0], True) for i, t in enumerate(toks[n:])])
                 native.set_tiled_matmul(tiled)
                 try:
@@ -263,7 +266,7 @@ def test_real_draft_reads_its_token_embd_by_rows(draft_model):
     from flexoffload.plan.planners import resident_bytes
 
     model = load(draft_model)
-    assert speculate.draft_by_rows(model) == ["token_embd.weight"]
+    assert specsettings.draft_by_rows(model) == ["token_embd.weight"]
     embd = next(t for t in model.tensors if t.name == "token_embd.weight")
     run = probe.measure(model, 512, 64, 16)
     kept = resident_bytes(model, run) - resident_bytes(model, run, by_rows=[embd.name])
@@ -361,10 +364,10 @@ def test_speculation_refuses_what_it_cannot_verify_bit_exactly(wide_heads):
 
     target = wide_heads[0]
     with pytest.raises(FlexoffloadError, match="flash attention"):
-        speculate.check_settings(engine.Settings(flash_attn="off"))
+        specsettings.check_settings(engine.Settings(flash_attn="off"))
     with pytest.raises(FlexoffloadError, match="-ub at least 2"):
-        speculate.check_settings(engine.Settings(n_ubatch=1))
-    speculate.check_settings(engine.Settings(flash_attn="auto", n_ubatch=2, type_k="q4_0", type_v="q4_0"))
+        specsettings.check_settings(engine.Settings(n_ubatch=1))
+    specsettings.check_settings(engine.Settings(flash_attn="auto", n_ubatch=2, type_k="q4_0", type_v="q4_0"))
     with engine.Engine(target, speculate.target_settings(engine.Settings(n_ctx=256, flash_attn="off"))) as t:
         assert not t.flash_attention
         with pytest.raises(FlexoffloadError, match="flash attention"):

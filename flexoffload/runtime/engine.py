@@ -3,128 +3,29 @@
 One model and one context, a prompt decoded in batches, then one token at a time, sampled with
 llama.cpp's own samplers (greedy at temperature 0, as llama-completion does), text streamed as it
 comes, and the timings a benchmark needs.
+
+The run's Settings and the context they make are settings.py's, what a generation returns is results.py's; both are
+importable from here too, as they were before they moved (KV_TYPES for options.py).
 """
 
 from __future__ import annotations
 
-import codecs
 import ctypes
 import os
 import resource
 import time
-from dataclasses import asdict, dataclass, field
 
 from flexoffload import FlexoffloadError
-from flexoffload.defaults import CHUNK_BYTES, IO_THREADS, STRATEGIES, WINDOW
+from flexoffload.defaults import STRATEGIES
 from flexoffload.native import llama_cpp
+from flexoffload.runtime.results import Result, TextOut, stream_timings
+# KV_TYPES too: options.py takes it from here
+from flexoffload.runtime.settings import KV_TYPES, Settings, context_params, uses_flash_attention
 
 
 class _Override(ctypes.Structure):
     """llama_model_tensor_buft_override: the bindings declare the field as a bare pointer."""
     _fields_ = [("pattern", ctypes.c_char_p), ("buft", ctypes.c_void_p)]
-
-
-@dataclass
-class Settings:
-    n_ctx: int = 2048
-    n_batch: int = 512
-    n_threads: int = os.cpu_count() or 1
-    temp: float = 0.8
-    seed: int = 0xFFFFFFFF  # llama.cpp's LLAMA_DEFAULT_SEED: a random seed
-    strategy: str = "mmap"
-    streamed_patterns: tuple[str, ...] = ()  # regexes (tensors.ot) of the tensors to stream
-    window: int = WINDOW
-    io_threads: int = IO_THREADS
-    chunk_bytes: int = CHUNK_BYTES  # streamed tensors larger than this are read in row chunks
-    expert_slots: int = -1  # a mixture of experts: experts each layer keeps between tokens (-1: all it read)
-    expert_whole: bool = False  # its expert tensors stream whole, by the window, not by expert
-    n_outputs: int = 1  # logits rows one forward pass returns (a speculation tree needs one per node)
-    n_seq_max: int = 1  # sequences in the KV cache (a speculation tree: one per branch, in one unified cache)
-    n_ubatch: int = 0  # tokens a forward pass computes at once (llama.cpp's -ub); 0: n_batch
-    flash_attn: str = "auto"  # on, off, or auto (llama.cpp decides: on for this CPU backend)
-    type_k: str = "f16"  # the KV cache's types (-ctk, -ctv); a quantized V needs flash attention
-    type_v: str = "f16"
-    decode_ubatch: int = 0  # after the prompt: the ubatch decode runs with (its compute buffers sized for it); 0: same
-    resident_after_prefill: tuple[str, ...] = ()  # streamed tensors made resident when decode starts (prefill.py)
-    rpc: tuple[str, ...] = ()  # RPC servers (HOST:PORT) whose devices tensors may be placed on
-    n_gpu_layers: int = 0  # with rpc: the last layers llama.cpp offloads to those devices, KV cache with them (-ngl)
-    tensor_split: tuple[float, ...] = ()  # with rpc: their shares of those layers per device (-ts); () upstream's
-    placed_patterns: tuple[tuple[str, str], ...] = ()  # (regex, buffer type name) of tensors on another device
-    verbose: bool = False
-
-
-@dataclass
-class Result:
-    text: str
-    tokens: list[int]
-    n_prompt: int
-    n_gen: int
-    ttft_s: float  # from the start of prompt processing to the first generated token
-    prompt_tok_s: float
-    decode_tok_s: float  # single-token decodes after the first token, over the time they took
-    load_s: float
-    strategy: str
-    stop: str  # "eog", "limit" or "context"
-    timings: dict = field(default_factory=dict)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def of(cls, prompt_tokens: list[int], out: "TextOut", times: tuple[float, float, float], n_decoded: int,
-           load_s: float, strategy: str, stop: str, timings: dict) -> "Result":
-        """A generation's result (engine and speculation alike). times: the start of prompt processing, the first
-        token, the end; n_decoded: the forward passes after the first token that the decode speed counts."""
-        t_start, t_first, t_end = times
-        text = out.close()
-        decode_s = t_end - t_first
-        return cls(text=text, tokens=out.tokens, n_prompt=len(prompt_tokens), n_gen=len(out.tokens),
-                   ttft_s=t_first - t_start, prompt_tok_s=len(prompt_tokens) / max(t_first - t_start, 1e-9),
-                   decode_tok_s=n_decoded / decode_s if n_decoded > 0 and decode_s > 0 else 0.0, load_s=load_s,
-                   strategy=strategy, stop=stop, timings=timings)
-
-
-class TextOut:
-    """Generated tokens and their text, handed to on_text piece by piece as it comes (a UTF-8 character that spans
-    two tokens is held until it is whole)."""
-
-    def __init__(self, engine: "Engine", on_text=None):
-        self.engine, self.on_text = engine, on_text
-        self.tokens: list[int] = []
-        self.parts: list[str] = []
-        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
-
-    def emit(self, token: int) -> None:
-        self.tokens.append(token)
-        self._say(self._utf8.decode(self.engine.piece(token)))
-
-    def close(self) -> str:
-        self._say(self._utf8.decode(b"", final=True))
-        return "".join(self.parts)
-
-    def _say(self, chunk: str) -> None:
-        if chunk:
-            self.parts.append(chunk)
-            if self.on_text:
-                self.on_text(chunk)
-
-
-def stream_timings(elapsed_s: float, model) -> dict:
-    """The streaming runtime's statistics of one model (its llama_model pointer) since stream.reset_stats(), as a
-    run's timings; elapsed_s: the run's time, over which what it read is a lower bound of the disk's bandwidth
-    (compute overlaps the reads)."""
-    from flexoffload.native import stream
-
-    st = stream.stats(model, layers=False)
-    timings = {"stream_bytes_read": st.bytes_read, "stream_reads": st.n_reads, "stream_direct": st.n_direct,
-               "stream_stall_s": st.t_stall_s, "stream_read_s": st.t_read_s, "stream_passes": st.n_passes,
-               "stream_rereads": st.n_rereads, "stream_committed_peak": st.bytes_committed_peak,
-               "stream_read_gb_s": st.bytes_read / max(elapsed_s, 1e-9) / 1e9}
-    experts = stream.expert_stats()  # of the process: a draft model is dense
-    if experts["n_uses"]:
-        timings.update(expert_uses=experts["n_uses"], expert_hit_rate=experts["n_hits"] / experts["n_uses"],
-                       expert_bytes_read=experts["bytes_read"], expert_cached_peak=experts["bytes_cached_peak"])
-    return timings
 
 
 class _Log:
@@ -222,40 +123,6 @@ def count_tokens(model_path: str, text: str) -> int:
         return len(tokenize(lib, lib.llama_model_get_vocab(model), text))
     finally:
         lib.llama_model_free(model)
-
-
-FLASH_ATTN = {"auto": -1, "off": 0, "on": 1}  # enum llama_flash_attn_type
-KV_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "bf16": 30}  # enum ggml_type
-
-
-def context_params(lib, settings: Settings):
-    """llama.cpp's context parameters for a run with these settings (footprint's probe makes the same context)."""
-    cparams = lib.llama_context_default_params()
-    cparams.n_ctx = settings.n_ctx
-    cparams.n_batch = settings.n_batch
-    cparams.n_ubatch = settings.n_ubatch or settings.n_batch
-    cparams.flash_attn_type = FLASH_ATTN[settings.flash_attn]
-    cparams.type_k, cparams.type_v = KV_TYPES[settings.type_k], KV_TYPES[settings.type_v]
-    # generation reads only the last token's logits: reserving 1 output instead of n_batch shrinks the
-    # compute buffer (measured for the 1.5B at -b 512: 303 MiB down to 67 MiB)
-    cparams.n_outputs_max = settings.n_outputs
-    cparams.n_seq_max = settings.n_seq_max
-    cparams.kv_unified = True  # one cache of n_ctx cells that all sequences share (tree branches share prefixes)
-    # sliding-window layers keep only their window's cells, as llama.cpp's tools do (the C default keeps n_ctx);
-    # a speculation tree keeps the full cache: its rejected cells are removed after later ones were written
-    cparams.swa_full = settings.n_seq_max > 1
-    cparams.n_threads = settings.n_threads
-    cparams.n_threads_batch = settings.n_threads
-    return cparams
-
-
-def uses_flash_attention(settings: Settings, context_log: list[str]) -> bool:
-    """Whether a context computes attention with flash attention: as -fa says, or where it is auto as llama.cpp
-    resolved it (context_log: what it logged making the context). It turns auto off where a layer's attention would
-    run on another device than the layer (a tensor placed on an RPC server draws the attention there)."""
-    if settings.flash_attn != "auto":
-        return settings.flash_attn == "on"
-    return not any("Flash Attention not supported" in line for line in context_log)
 
 
 class Engine:
