@@ -105,3 +105,53 @@ def test_a_moe_streamed_writes_llama_completion_s_greedy_text(name, reads, tmp_p
     theirs = llama_completion(path, PROMPT, 24, ctx=256, batch=32)
     assert len(set(theirs.split())) >= 3
     assert ours["text"] == theirs
+
+
+# --- the runtime's accounting of expert reads ------------------------------------------------------------------------
+
+def _by_expert(path, slots: int):
+    """A streamed run of the file prepared near its least budget, its experts read by expert, `slots` of them a
+    layer cached between tokens: (the Prepared, the Model)."""
+    m = load(path)
+    set_profile(path, 2, TOK_S, disk_bw=m.weight_bytes * TOK_S / 4)
+    budget = int(run_minimum(m, probe.measure(m, 256, 32)) * 1.02)  # room for embeddings and output: resident
+    budget += 2 * (expertcache.memory(m, slots) - expertcache.memory(m, 0))
+    flags = ["-m", str(path), "--mem", str(budget), *SETTING, "--strategy", "stream", "--expert-reads", "routed",
+             "--expert-slots", str(slots), "--spec-type", "none", "-p", PROMPT, "-n", "16", "--temp", "0"]
+    return api.prepare(request_from_args(flags)), m
+
+
+SINGLE_GROUP = ("patch 0018 (ggml-cpu/streamed, stream_ctx::enter_group_locked) counts a new pass only when compute "
+                "enters a lower streamed group than the last: where one group streams (here the one layer's experts) "
+                "there is none, so stream_passes stays 1, expert uses stop being counted after the first pass, and "
+                "the experts are read about twice as often as the routing asks (137 experts' slices for 64-76)")
+
+
+@pytest.mark.parametrize("n_layer", [2, pytest.param(1, marks=pytest.mark.xfail(strict=True, reason=SINGLE_GROUP))])
+def test_each_pass_reads_a_token_s_routed_experts_once_whatever_the_layers(n_layer, tmp_path, private_cache):
+    """Only the experts stream (one streamed group a layer), none cached between tokens (--expert-slots 0): each
+    decode pass reads each layer's k routed experts once, the prompt's pass up to all of them; the runtime counts a
+    pass a forward pass and a use a routed expert of a layer in a pass, every use a read of one expert's slices."""
+    shape = dataclasses.replace(synth.SHAPES["qwen3moe-tiny"], n_layer=n_layer, **STREAMED["qwen3moe-tiny"])
+    prepared, m = _by_expert(synth.write(tmp_path / "moe.gguf", shape, seed=SEED["qwen3moe-tiny"]), 0)
+    experts = {t.name for t in m.tensors if t.kind == "expert"}
+    assert set(prepared.plan.streamed) == experts  # only the experts stream: a group a layer
+    t = api.run_in_cgroup(prepared, None, timeout=300)["timings"]  # a fresh process: its counters its own
+    decoded, k = 16 - 1, m.n_expert_used  # the last token is not decoded
+    unit = sum(x.n_bytes for x in m.tensors if x.kind == "expert") // m.n_expert // m.n_layer
+    assert t["stream_passes"] == decoded + 1 and t["expert_hit_rate"] == 0
+    assert n_layer * (k * decoded + k) <= t["expert_uses"] <= n_layer * (k * decoded + m.n_expert)
+    assert t["expert_bytes_read"] == t["expert_uses"] * unit
+
+
+@pytest.mark.xfail(strict=True, reason="patch 0018: the cached experts' byte count (counters::bytes_expert_cached) "
+                   "is not given back when a model is freed, and reset_stats starts the peak from it: each run in a "
+                   "process reports the earlier runs' caches in its expert_cached_peak (RSS does not grow)")
+def test_the_expert_cache_peak_of_a_run_is_its_own_in_a_process_that_ran_others(tmp_path, private_cache):
+    """The same Prepared run twice in this process: the same routing, the same cache, the same peak, within the
+    experts' memory the plan counted."""
+    shape = dataclasses.replace(synth.SHAPES["qwen3moe-tiny"], **STREAMED["qwen3moe-tiny"])
+    prepared, _ = _by_expert(synth.write(tmp_path / "moe.gguf", shape, seed=SEED["qwen3moe-tiny"]), 4)
+    first, second = api.run_prepared(prepared)["timings"], api.run_prepared(prepared)["timings"]
+    assert first["expert_uses"] == second["expert_uses"] and first["expert_bytes_read"] == second["expert_bytes_read"]
+    assert second["expert_cached_peak"] == first["expert_cached_peak"] <= prepared.plan.memory.experts
