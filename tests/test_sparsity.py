@@ -151,11 +151,12 @@ def _level_2(wide):
 
     path, grouped = wide
     dense, (width, hot) = load(path), sparsity.layout(WIDE.n_ff, N_GROUP)
-    found = [levels.Level(k, 0, 0, kld, 0, 0, 0, 0, 0, 0, 0) for k, kld in ((2, 0.01), (N_GROUP, 0.0))]
+    level = load(moefy.with_used(grouped, 2))
+    found = [levels.Level(k, (hot + k * width) / WIDE.n_ff, load(moefy.with_used(grouped, k)).routed_bytes /
+                          dense.weight_bytes, kld, 0, 0, 0, 0, 0, 0, 0) for k, kld in ((2, 0.01), (N_GROUP, 0.0))]
     s = levels.Sparsity(str(path), str(grouped), N_GROUP, width, hot, found)
     write_atomic(sparsity.profile_path(dense), json.dumps(s.to_dict()))
     assert sparsity.load_cached(dense) == s
-    level = load(moefy.with_used(grouped, 2))
     disk = dense.weight_bytes * TOK_S / 10
     set_profile(dense.path, 2, TOK_S, disk)
     set_profile(level.path, 2, 0.8 * TOK_S, disk)
