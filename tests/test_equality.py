@@ -16,17 +16,16 @@ PROMPT = 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n'
 
 
 def llama_completion(model, prompt, n, ctx=2048, batch=512, threads=2, prompt_file=None, overrides=(), ubatch=None,
-                     flash_attn=None, repack=False) -> str:
+                     flash_attn=None) -> str:
     """The text this build's llama-completion generates greedily (mmap, no repacking: upstream's plain path, on our
-    patched tree; repack: its default loading, which `run` without a budget matches), GGML_CPU_SPLIT_KV inherited
-    from this process; the prompt from prompt_file (-f) instead where one is given; overrides: `-ot` lines (a plan's
-    tensors.ot: STREAMED ones, which only the patched build takes)."""
+    patched tree), GGML_CPU_SPLIT_KV inherited from this process; the prompt from prompt_file (-f) instead where one
+    is given; overrides: `-ot` lines (a plan's tensors.ot: STREAMED ones, which only the patched build takes)."""
     source = ["-f", str(prompt_file)] if prompt_file else ["-p", prompt]
     source += ["-ot", ",".join(overrides)] if overrides else []
     source += ["-fa", flash_attn] if flash_attn else []
     cmd = [str(native.tool("llama-completion")), "-m", str(model), *source, "-n", str(n), "--temp", "0",
-           "-c", str(ctx), "-b", str(batch), "-ub", str(ubatch or batch), "-t", str(threads), "-lm", "mmap",
-           *([] if repack else ["--no-repack"]), "-no-cnv", "--no-display-prompt", "--simple-io", "--no-warmup"]
+           "-c", str(ctx), "-b", str(batch), "-ub", str(ubatch or batch), "-t", str(threads), "-lm", "mmap", "--no-repack",
+           "-no-cnv", "--no-display-prompt", "--simple-io", "--no-warmup"]
     env = {**os.environ, "GGML_CPU_SPLIT_KV": os.environ["GGML_CPU_SPLIT_KV"]}  # inherited (flexoffload.native set it)
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL, env=env)
     assert r.returncode == 0, r.stderr[-2000:]
@@ -42,20 +41,16 @@ def flexoffload_run(model, prompt, n, *extra):
 
 
 def test_greedy_equals_llama_completion_tiny(tiny_model):
-    """Without a budget every weight stays in memory and `run` loads as llama-completion does by default (weights
-    repacked for the CPU's kernels); under one, as it does with --no-repack."""
     ours = flexoffload_run(tiny_model, "a b c d", 24)
     assert ours["n_gen"] > 0
-    assert llama_completion(tiny_model, "a b c d", 24, repack=True) == ours["text"]
-    budgeted = flexoffload_run(tiny_model, "a b c d", 24, "--strategy", "mmap", "--mem", "256M")
-    assert llama_completion(tiny_model, "a b c d", 24) == budgeted["text"]
+    assert llama_completion(tiny_model, "a b c d", 24) == ours["text"]
 
 
 @pytest.mark.integration
 def test_greedy_equals_llama_completion_real(real_model):
     ours = flexoffload_run(real_model, PROMPT, 48)
     assert ours["n_gen"] == 48
-    theirs = llama_completion(real_model, PROMPT, 48, repack=True)
+    theirs = llama_completion(real_model, PROMPT, 48)
     assert theirs == ours["text"]
     assert "return" in ours["text"]  # a real model writes real code
 

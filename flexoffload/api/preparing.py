@@ -164,10 +164,9 @@ def _long_prompt(w, model, limit, n_prompt: int, notes: list[str]):
     return replace(w, n_ubatch=u, n_batch=max(w.n_batch, u), flash_attn="on")
 
 
-def settings_for(w, plan, limit: int | None, model, tree: bool, one_sequence: bool) -> tuple[engine.Settings, float]:
+def settings_for(w, plan, limit: int | None, model, tree: bool) -> tuple[engine.Settings, float]:
     """The runtime's settings for the decided values and plan: what `run` loads by and `serve` hands llama-server
-    as flags; and decode's predicted speed where weights move in after the prompt (0: the plan's). Weights are
-    repacked as llama.cpp does by default only where nothing limits memory and one sequence decodes alone."""
+    as flags; and decode's predicted speed where weights move in after the prompt (0: the plan's)."""
     pairs = plans.overrides(plan) if plan else []  # tensors.ot's lines: (pattern, buffer type)
     after, decode_tok_s, decode_ubatch = (), 0.0, 0
     setting = step_setting(w)
@@ -192,8 +191,7 @@ def settings_for(w, plan, limit: int | None, model, tree: bool, one_sequence: bo
         window=(w.window if w.window is not None else plan.window) if plan else 0,
         expert_slots=plan.experts.slots if plan and plan.experts else -1,
         expert_whole=bool(plan and plan.experts and plan.experts.whole),
-        io_threads=w.io_threads or (plan.io_threads if plan else IO_THREADS), verbose=w.verbose,
-        repack=limit is None and w.strategy == "mmap" and not tree and one_sequence and not w.rpc)
+        io_threads=w.io_threads or (plan.io_threads if plan else IO_THREADS), verbose=w.verbose)
     return settings, decode_tok_s
 
 
@@ -246,7 +244,7 @@ def prepare(request, n_seq_max: int = 1, server: bool = False) -> Prepared:
         if note:
             notes.append(note)
             w, plan, mmap_plan = replace(w, strategy="mmap"), None, tuning.mmap_candidate(model, limit, plan)
-    settings, decode_tok_s = settings_for(w, plan, limit, model, not chosen.alone, n_seq_max == 1 and not server)
+    settings, decode_tok_s = settings_for(w, plan, limit, model, not chosen.alone)
     p = Prepared(request, model, limit, plan, settings, decode_tok_s=decode_tok_s, notes=notes, mmap_plan=mmap_plan)
     if not chosen.alone:
         p.draft, p.free, p.draft_bytes = chosen.draft, chosen.free, chosen.bytes

@@ -137,9 +137,8 @@ class Engine:
         t0 = time.perf_counter()
 
         mparams = lib.llama_model_default_params()
-        # no repacking under a budget (the repacked copy is anonymous memory beside the mapped file) or for a tree
-        # (its kernels round a pass of several rows otherwise); with every weight in memory, llama.cpp's default
-        mparams.use_extra_bufts = settings.repack
+        # no repacking: under mmap it doubles memory, and it changes the kernels, so greedy output would differ
+        mparams.use_extra_bufts = False
         overrides = []
         if settings.rpc:
             from flexoffload.native import devices

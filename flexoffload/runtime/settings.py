@@ -38,10 +38,6 @@ class Settings:
     n_gpu_layers: int = 0  # with rpc: the last layers llama.cpp offloads to those devices, KV cache with them (-ngl)
     tensor_split: tuple[float, ...] = ()  # with rpc: their shares of those layers per device (-ts); () upstream's
     placed_patterns: tuple[tuple[str, str], ...] = ()  # (regex, buffer type name) of tensors on another device
-    # weights repacked for the CPU's faster kernels, as llama.cpp loads by default: only where every weight stays in
-    # memory (no budget: the copy is anonymous memory beside the mapped file) and one sequence decodes one row a
-    # pass (the repacked kernels of several rows round otherwise, so a tree or a server's batch would change tokens)
-    repack: bool = False
     verbose: bool = False
 
 
