@@ -101,8 +101,8 @@ def test_the_recycling_table_is_reset_before_each_run_and_the_users_is_put_back(
 
 
 def test_ours_and_llama_completion_run_in_the_same_cgroup_and_agree(tiny_model):
-    case = Case(model=tiny_model, limit=512 * MiB, mem=None, prompt="Once upon a time", n_predict=12, n_ctx=128,
-                timeout=300)
+    case = Case(model=tiny_model, limit=512 * MiB, mem=None, prompt="Once upon a time\n", n_predict=12, n_ctx=128,
+                timeout=300)  # a final newline, which llama-completion's -f would drop
     ours = hl.flexoffload(spec_type="none")(case)
     upstream = hl.completion("--no-repack")(case)
     assert ours.ok and upstream.ok, (ours.error, upstream.error)

@@ -23,7 +23,6 @@ import logging
 import re
 import shutil
 import statistics
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -142,20 +141,18 @@ _PROMPT = re.compile(r"prompt eval time =\s*([\d.]+) ms /\s*(\d+) tokens")
 
 
 def completion(*flags: str) -> Callable[[Case], Outcome]:
-    """llama-completion with these flags beside the common ones (greedy, -t 2, the prompt from a file, no
-    conversation): its decode speed and time to the first token from its own timings."""
+    """llama-completion with these flags beside the common ones (greedy, -t 2, no conversation): its decode speed
+    and time to the first token from its own timings. The prompt goes in with -p and --no-escape, as run takes it
+    (-f would drop its final newline, escapes would rewrite its backslashes)."""
     def run(case: Case) -> Outcome:
-        with tempfile.NamedTemporaryFile("w", suffix=".txt") as f:
-            f.write(case.prompt)
-            f.flush()
-            cmd = [str(native.tool("llama-completion")), "-m", str(case.model), "-f", f.name,
-                   "-n", str(case.n_predict), "--temp", "0", "-c", str(case.n_ctx), "-t", str(N_THREADS), "-no-cnv",
-                   "--no-display-prompt", "--simple-io", *flags]
-            budgets.drop_page_cache()
-            try:
-                r = budgets.run_limited(cmd, case.limit, timeout=case.timeout)
-            except FlexoffloadError as e:
-                return Outcome(error=f"llama-completion {e}", wall_s=case.timeout)
+        cmd = [str(native.tool("llama-completion")), "-m", str(case.model), "-p", case.prompt, "--no-escape",
+               "-n", str(case.n_predict), "--temp", "0", "-c", str(case.n_ctx), "-t", str(N_THREADS), "-no-cnv",
+               "--no-display-prompt", "--simple-io", *flags]
+        budgets.drop_page_cache()
+        try:
+            r = budgets.run_limited(cmd, case.limit, timeout=case.timeout)
+        except FlexoffloadError as e:
+            return Outcome(error=f"llama-completion {e}", wall_s=case.timeout)
         out = Outcome(peak_mb=r.peak_mem_mb, wall_s=r.wall_s)
         decode, prompt = _EVAL.search(r.stderr.split("prompt eval time")[-1]), _PROMPT.search(r.stderr)
         if r.oom_killed:
