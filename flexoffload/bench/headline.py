@@ -111,16 +111,15 @@ class Record:
 
 # --- the systems ------------------------------------------------------------------------------------------------
 
-def flexoffload(**fields_) -> Callable[[Case], Outcome]:
-    """`flexoffload run` with these request fields (as the API takes them), prepared in this process and run in a
-    child in the case's cgroup, as `run --enforce` does."""
+def flexoffload(with_draft: bool = False, **fields_) -> Callable[[Case], Outcome]:
+    """`flexoffload run` with these request fields (as the API takes them; with_draft: -md the case's draft),
+    prepared in this process and run in a child in the case's cgroup, as `run --enforce` does."""
     def run(case: Case) -> Outcome:
         from flexoffload import api
 
         request = api.Request(model=str(case.model), prompt=case.prompt, n_predict=case.n_predict, n_ctx=case.n_ctx,
                               n_threads=N_THREADS, temp=0, mem=case.mem,
-                              draft=str(case.draft) if fields_.get("draft") else None,
-                              **{k: v for k, v in fields_.items() if k != "draft"})
+                              draft=str(case.draft) if with_draft else None, **fields_)
         t0 = time.perf_counter()
         try:
             prepared = api.prepare(request)
