@@ -65,6 +65,8 @@ def test_runs_interleave_are_written_as_they_end_and_a_row_run_again_replaces_it
     assert len(records) == 2 * 2 * 3 + 2 * 2 * 2
     assert {r.same_text for r in records if r.system == "b"} == {"True"}
     assert {r.same_text for r in records if r.system == "c"} == {"False"}
+    assert hl.agree("same text", "same") and hl.agree("same", "same text") and not hl.agree("", "same")
+    assert not hl.agree("same text", "some text")
     calls.clear()
     before[0] = 1 + 12
     hl.measure([two], 1, out)  # row two again: its earlier runs go, row one's stay
