@@ -9,7 +9,7 @@ from flexoffload.gguf import synth
 from flexoffload.gguf.model import load
 
 TINY_SHAPES = ["tiny", "llama-gqa-tiny", "qwen2-tiny", "gemma3-tiny", "gemma3-tiny-256k", "phi3-tiny",
-               "llama-moe-tiny", "qwen3moe-tiny"]
+               "llama-moe-tiny", "qwen3moe-tiny", "gpt-oss-tiny"]
 REALISTIC_SHAPES = ["llama2-7b", "llama-gqa-3b", "qwen2-1.5b", "gemma3-1b", "phi3-mini", "llama-moe-1b", "qwen3moe-2b"]
 
 
@@ -31,7 +31,12 @@ def test_tensor_table(name, tmp_path):
     for i in range(1, m.n_layer):
         assert kinds_of_layer(m, i) == kinds_of_layer(m, 0)
     layer = kinds_of_layer(m, 0)
-    if s.n_expert:  # a router and gate, up and down of every expert in place of the FFN (qwen3moe: q/k norms too)
+    if s.arch == "gpt-oss":  # q, k, v, output, router and expert biases; the sinks; no ffn_norm
+        assert layer == sorted(["norm"] * 2 + ["bias"] * 8 + ["other"] + ["attn_q", "attn_k", "attn_v",
+                                                                         "attn_output", "router"] + ["expert"] * 3)
+        down = next(t for t in m.tensors if t.name == "blk.0.ffn_down_exps.weight")
+        assert down.type == "MXFP4" and down.shape == (s.expert_width, s.n_embd, s.n_expert)
+    elif s.n_expert:  # a router and gate, up and down of every expert in place of the FFN (qwen3moe: q/k norms too)
         norms = ["norm"] * (4 if s.arch == "qwen3moe" else 2)
         assert layer == sorted(norms + ["attn_q", "attn_k", "attn_v", "attn_output", "router"] + ["expert"] * 3)
         down = next(t for t in m.tensors if t.name == "blk.0.ffn_down_exps.weight")
@@ -87,6 +92,12 @@ def test_llama_cpp_generates(name, tmp_path):
 @pytest.mark.parametrize("name", REALISTIC_SHAPES)
 def test_realistic_shapes_have_realistic_sizes(name):
     assert 0.3e9 <= synth.predicted_size(synth.SHAPES[name]) <= 4.5e9
+
+
+@pytest.mark.parametrize("name,low,high", [("qwen3moe-30b-a3b", 16.5e9, 18.5e9), ("gpt-oss-20b", 11e9, 13.5e9)])
+def test_the_shapes_people_run_have_their_published_sizes(name, low, high):
+    """Qwen3-30B-A3B about 17-18 GB at 4-bit types, gpt-oss-20b about 12 GB with MXFP4 experts (issue 42)."""
+    assert low <= synth.predicted_size(synth.SHAPES[name]) <= high
 
 
 def test_shapes_are_the_architectures_asked_for():

@@ -50,15 +50,40 @@ def models_fetch(names):
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="where to write the GGUF")
 @click.option("--qtype", type=click.Choice(["Q4_0", "F32"]), default="Q4_0", show_default=True)
 @click.option("--seed", default=0, show_default=True)
+@click.option("--routing", type=click.Choice(synth.ROUTINGS), default="random", show_default=True,
+              help="a mixture of experts' routers: random weights (a cache's best case) or by the token (text-like)")
+@click.option("--tokenizer", metavar="MODEL", help="copy this model's vocabulary (a GGUF or a catalog name), so real "
+              "text tokenizes as it would for it")
 @_errors_as_one_line
-def models_synth(shape, output, qtype, seed):
+def models_synth(shape, output, qtype, seed, routing, tokenizer):
     """Write a synthetic GGUF with random weights and a real shape (its text is noise, its timing is real)."""
     target = Path(output)
     tmp = target.with_name(target.name + ".part")
+    s = synth.SHAPES[shape]
+    if routing == "text" and not s.n_expert:
+        raise FlexoffloadError(f"--routing text is for a mixture of experts: {shape} has none")
+    vocab = catalog.resolve(tokenizer) if tokenizer else None
+    click.echo(f"{shape}: writing {format_size(synth.predicted_size(s, qtype, vocab))} to {target}", err=True)
     try:
-        synth.write(tmp, synth.SHAPES[shape], qtype, seed)
+        synth.write(tmp, s, qtype, seed, routing=routing, tokenizer=vocab, progress=_Progress(shape))
     except OSError as e:
         tmp.unlink(missing_ok=True)
         raise FlexoffloadError(f"cannot write {output}: {e.strerror}") from None
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     tmp.replace(target)  # whole or not at all
     click.echo(f"{shape}: {target} ({format_size(target.stat().st_size)})")
+
+
+class _Progress:
+    """A line on stderr at every tenth of the file written."""
+
+    def __init__(self, what: str):
+        self.what, self.shown = what, 0
+
+    def __call__(self, done: int, total: int) -> None:
+        tenth = done * 10 // max(total, 1)
+        if tenth > self.shown:
+            self.shown = tenth
+            click.echo(f"{self.what}: {tenth * 10} % ({format_size(done)} of {format_size(total)})", err=True)

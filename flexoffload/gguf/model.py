@@ -204,7 +204,14 @@ class _Header:
     data_offset: int
 
 
-def _read_header(f) -> _Header:
+def metadata(path: str | os.PathLike, arrays: frozenset[str] = frozenset()) -> dict:
+    """A GGUF's key-value metadata: the scalars, and of the arrays those named (the others None)."""
+    with open(path, "rb") as f:
+        return _read_header(f, arrays).kv
+
+
+def _read_header(f, arrays: frozenset[str] = frozenset()) -> _Header:
+    """The header; arrays: the keys whose arrays are read (as lists), the others' are skipped (None)."""
     def read(n: int) -> bytes:
         b = f.read(n)
         if len(b) != n:
@@ -217,13 +224,18 @@ def _read_header(f) -> _Header:
     def string() -> str:
         return read(unpack("Q")).decode("utf-8")
 
-    def value(vtype: int):
+    def value(vtype: int, keep: bool = False):
         if vtype in _SCALARS:
             return unpack(_SCALARS[vtype])
         if vtype == _STRING:
             return string()
         if vtype == _ARRAY:
             item_type, n = unpack("I"), unpack("Q")
+            if keep and item_type in _SCALARS:
+                fmt = _SCALARS[item_type]
+                return list(struct.unpack(f"<{n}{fmt}", read(n * struct.calcsize("<" + fmt))))
+            if keep:
+                return [value(item_type) for _ in range(n)]
             if item_type in _SCALARS:  # fixed-size items: skip them in one seek
                 f.seek(n * struct.calcsize("<" + _SCALARS[item_type]), os.SEEK_CUR)
             elif item_type == _STRING:  # skip each string by its length, without decoding it
@@ -245,7 +257,7 @@ def _read_header(f) -> _Header:
     kv = {}
     for _ in range(n_kv):
         key = string()
-        kv[key] = value(unpack("I"))
+        kv[key] = value(unpack("I"), key in arrays)
     tensors = []
     for _ in range(n_tensors):
         name = string()

@@ -2,14 +2,30 @@
 
 Their text is noise, their timing is real. Five architectures as llama.cpp loads them: llama, qwen2 (q/k/v biases),
 gemma3 (tied embeddings, q/k norms, post-attention and post-FFN norms, sliding-window layers), phi3 (fused attn_qkv,
-gate and up fused in ffn_up), and two mixtures of experts: llama with experts (Mixtral's layout: a router,
-ffn_gate_inp, and ffn_{gate,up,down}_exps, one contiguous slice per expert) and qwen3moe (q/k norms, many small
-experts of their own width). Random weights do not route uniformly: as measured (docs/experts.md), after the first
-layers nearly every token goes to the same 4-11 experts, so a small expert cache hits almost always and these files
-show a cache near its best case, not its worst. Every one gets the same small SentencePiece-style vocabulary (byte
-tokens plus filler pieces), so llama.cpp loads, tokenizes and generates with it; the output weights of the control
-and byte tokens are zero (token_embd's rows where the embeddings are tied), so greedy text is whole pieces, valid
-UTF-8. Tensor data is written one tensor at a time, so a 7B-shaped file never has to fit in memory.
+gate and up fused in ffn_up), and three mixtures of experts: llama with experts (Mixtral's layout: a router,
+ffn_gate_inp, and ffn_{gate,up,down}_exps, one contiguous slice per expert), qwen3moe (q/k norms, many small
+experts of their own width) and gpt-oss (attention sinks and biases, sliding-window attention on every other layer,
+biased router and experts, MXFP4 experts).
+
+Routing (write's `routing`):
+- "random": the router reads the whole residual stream with random weights. Random weights do not route uniformly:
+  as measured (docs/experts.md), after the first layers nearly every token goes to the same 4-11 experts, so a small
+  expert cache hits almost always: these files show a cache at its best case, not its worst.
+- "text": the routers read only the last ROUTE_DIMS dimensions of the residual stream, which only the token
+  embedding writes (every output projection's rows there are zero), so each layer routes a token by the token
+  alone, as trained routers largely do (OpenMoE's context-independent specialization). With a real model's
+  vocabulary (write's `tokenizer`) those dimensions hold that model's own embedding of the token, centred and
+  randomly projected, so tokens the real model places near each other (the words of one passage, of one topic)
+  route to overlapping experts: a real prompt routes with real token statistics and with the locality they bring
+  (docs/experts.md measures it against published figures), and a stream of uniformly random tokens routes
+  uniformly at random (the pessimistic bound). Without one, each token's code is random.
+
+The vocabulary is a small SentencePiece-style one (byte tokens plus filler pieces) or, with write's `tokenizer`, a
+real model's (its tokens, types and merges, padded with unused tokens up to the shape's n_vocab), so real text
+tokenizes as it would for that model. Either way the output weights of every token that is not a whole, valid
+UTF-8 piece (control and byte tokens, unused ones) are zero (token_embd's rows where the embeddings are tied), so
+greedy text is whole pieces, valid UTF-8. Tensor data is written one tensor at a time, so a 17 GB file never has to
+fit in memory.
 """
 
 from __future__ import annotations
@@ -22,7 +38,9 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import numpy as np
 
-ARCHS = ("llama", "qwen2", "gemma3", "phi3", "qwen3moe")
+ARCHS = ("llama", "qwen2", "gemma3", "phi3", "qwen3moe", "gpt-oss")
+MOE_ARCHS = ("qwen3moe", "gpt-oss")  # mixtures of experts only
+ROUTINGS = ("random", "text")
 ALIGNMENT = 32  # GGUF's default: each tensor's data starts on a multiple of it
 N_SPECIAL = 259  # <unk>, <s>, </s> and the 256 byte tokens: the first rows of the vocabulary
 
@@ -48,10 +66,12 @@ class Shape:
     def __post_init__(self):
         if self.arch not in ARCHS:
             raise ValueError(f"arch must be one of {', '.join(ARCHS)}, not {self.arch}")
-        if self.n_expert and self.arch not in ("llama", "qwen3moe"):
-            raise ValueError("experts are written for llama (Mixtral's layout) and qwen3moe")
-        if self.arch == "qwen3moe" and not self.n_expert:
-            raise ValueError("qwen3moe is a mixture of experts: give n_expert")
+        if self.n_expert and self.arch not in ("llama", *MOE_ARCHS):
+            raise ValueError("experts are written for llama (Mixtral's layout), qwen3moe and gpt-oss")
+        if self.arch in MOE_ARCHS and not self.n_expert:
+            raise ValueError(f"{self.arch} is a mixture of experts: give n_expert")
+        if self.arch == "gpt-oss" and not self.sliding_window:
+            raise ValueError("gpt-oss has sliding-window layers: give sliding_window")
         if self.n_expert and not 0 < self.n_expert_used <= self.n_expert:
             raise ValueError("n_expert_used must be between 1 and n_expert")
 
@@ -107,10 +127,68 @@ SHAPES: dict[str, Shape] = {
                          n_ff_expert=256),
     "phi3-mini": Shape(n_layer=32, n_embd=3072, n_ff=8192, n_head=32, n_head_kv=32, n_vocab=32064,
                        arch="phi3"),
+    # Qwen3-30B-A3B's published config (about 17 GB at Q4_0); its vocabulary is Qwen2.5's (write's tokenizer)
+    "qwen3moe-30b-a3b": Shape(n_layer=48, n_embd=2048, n_ff=6144, n_head=32, n_head_kv=4, n_vocab=151936,
+                              n_ctx_train=32768, arch="qwen3moe", head_dim=128, rope_freq_base=1000000.0,
+                              n_expert=128, n_expert_used=8, n_ff_expert=768),
+    # gpt-oss-20b's: sliding window 128 on every other layer, 32 experts of 2880, MXFP4 experts (about 12 GB)
+    "gpt-oss-20b": Shape(n_layer=24, n_embd=2880, n_ff=2880, n_head=64, n_head_kv=8, n_vocab=201088,
+                         n_ctx_train=131072, arch="gpt-oss", head_dim=64, sliding_window=128,
+                         rope_freq_base=150000.0, n_expert=32, n_expert_used=4, n_ff_expert=2880),
+    "gpt-oss-tiny": Shape(n_layer=2, n_embd=128, n_ff=128, n_head=4, n_head_kv=2, n_vocab=384, n_ctx_train=512,
+                          arch="gpt-oss", head_dim=32, sliding_window=8, n_expert=8, n_expert_used=2,
+                          n_ff_expert=64),
 }
+ROUTE_DIMS = 64  # the residual stream's dimensions "text" routing keeps for the token (32 below 512 wide)
 
 
-def _vocab(n_vocab: int) -> tuple[list[str], list[float], list[int]]:
+@dataclass
+class Vocab:
+    """A vocabulary as the GGUF's tokenizer.* keys hold it."""
+    model: str  # "llama" (SentencePiece-style) or "gpt2" (byte-level BPE)
+    tokens: list[str]
+    types: list[int]
+    scores: list[float] | None = None
+    merges: list[str] | None = None
+    pre: str | None = None
+    bos: int | None = None
+    eos: int | None = None
+    padding: int | None = None
+    add_bos: bool = False
+    chat_template: str | None = None
+
+    def silent(self) -> list[bool]:
+        """The tokens whose output weights are zero: all but whole pieces of valid UTF-8."""
+        import gguf
+
+        normal = [t == gguf.TokenType.NORMAL for t in self.types]
+        if self.model != "gpt2":
+            return [not n for n in normal]
+        decode = {c: b for b, c in _bytes_to_unicode().items()}
+        out = []
+        for token, n in zip(self.tokens, normal):
+            try:
+                bytes(decode[c] for c in token).decode("utf-8")
+                out.append(not n)
+            except (KeyError, UnicodeDecodeError):
+                out.append(True)
+        return out
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's map from a byte to the character byte-level BPE writes it as."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("\xa1"), ord("\xac") + 1)) + \
+        list(range(ord("\xae"), ord("\xff") + 1))
+    cs, n = bs[:], 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs)))
+
+
+def _vocab(n_vocab: int) -> Vocab:
     """<unk>, <s>, </s>, the 256 byte tokens, then filler pieces up to n_vocab."""
     import gguf
 
@@ -125,7 +203,66 @@ def _vocab(n_vocab: int) -> tuple[list[str], list[float], list[int]]:
         types.append(T.NORMAL)
         i += 1
     scores = [0.0, 0.0, 0.0] + [0.0] * 256 + [-float(k) for k in range(len(tokens) - 259)]
-    return tokens[:n_vocab], scores[:n_vocab], [int(t) for t in types[:n_vocab]]
+    return Vocab("llama", tokens[:n_vocab], [int(t) for t in types[:n_vocab]], scores=scores[:n_vocab], bos=1, eos=2,
+                 add_bos=True)
+
+
+def copied_vocab(path: str | Path, n_vocab: int) -> Vocab:
+    """A real model's vocabulary from its GGUF, padded with unused tokens up to n_vocab."""
+    import gguf
+
+    from flexoffload import FlexoffloadError
+    from flexoffload.gguf.model import metadata
+
+    keys = ("tokens", "token_type", "scores", "merges")
+    kv = metadata(path, frozenset(f"tokenizer.ggml.{k}" for k in keys))
+    tokens, types = kv.get("tokenizer.ggml.tokens"), kv.get("tokenizer.ggml.token_type")
+    if not tokens or types is None:
+        raise FlexoffloadError(f"{path} holds no tokenizer")
+    if len(tokens) > n_vocab:
+        raise FlexoffloadError(f"{path}'s {len(tokens)} tokens do not fit a vocabulary of {n_vocab}")
+    n_pad = n_vocab - len(tokens)
+    scores = kv.get("tokenizer.ggml.scores")
+    return Vocab(kv["tokenizer.ggml.model"], tokens + [f"[PAD{i}]" for i in range(n_pad)],
+                 types + [int(gguf.TokenType.UNUSED)] * n_pad,
+                 scores=scores + [0.0] * n_pad if scores else None, merges=kv.get("tokenizer.ggml.merges"),
+                 pre=kv.get("tokenizer.ggml.pre"), bos=kv.get("tokenizer.ggml.bos_token_id"),
+                 eos=kv.get("tokenizer.ggml.eos_token_id"), padding=kv.get("tokenizer.ggml.padding_token_id"),
+                 add_bos=bool(kv.get("tokenizer.ggml.add_bos_token")), chat_template=kv.get("tokenizer.chat_template"))
+
+
+def _add_vocab(w, v: Vocab) -> None:
+    w.add_tokenizer_model(v.model)
+    if v.pre:
+        w.add_tokenizer_pre(v.pre)
+    w.add_token_list(v.tokens)
+    if v.scores:
+        w.add_token_scores(v.scores)
+    w.add_token_types(v.types)
+    if v.merges:
+        w.add_token_merges(v.merges)
+    if v.model == "llama":
+        w.add_unk_token_id(0)
+    for add, value in ((w.add_bos_token_id, v.bos), (w.add_eos_token_id, v.eos), (w.add_pad_token_id, v.padding)):
+        if value is not None:
+            add(value)
+    w.add_add_bos_token(v.add_bos)
+    if v.chat_template:
+        w.add_chat_template(v.chat_template)
+
+
+def _vocab_header_bytes(v: Vocab) -> int:
+    """The tokenizer keys' bytes in the header, to within the allowance predicted_size gives the scalars."""
+    array_head = 8 + 32 + 4 + 4 + 8  # key length, a key of about 32 bytes, value type, item type, item count
+
+    def strings(items):
+        return array_head + sum(8 + len(t.encode("utf-8")) for t in items)
+
+    out = strings(v.tokens) + array_head + 4 * len(v.types)
+    out += array_head + 4 * len(v.scores) if v.scores else 0
+    out += strings(v.merges) if v.merges else 0
+    out += len(v.chat_template.encode("utf-8")) if v.chat_template else 0
+    return out
 
 
 def _tensor_plan(s: Shape) -> list[tuple[str, tuple[int, int] | tuple[int]]]:
@@ -145,7 +282,7 @@ def _tensor_plan(s: Shape) -> list[tuple[str, tuple[int, int] | tuple[int]]]:
                 (f"blk.{i}.attn_k.weight", (kv_dim, s.n_embd)),
                 (f"blk.{i}.attn_v.weight", (kv_dim, s.n_embd)),
             ]
-        if s.arch == "qwen2":
+        if s.arch in ("qwen2", "gpt-oss"):
             plan += [
                 (f"blk.{i}.attn_q.bias", (q_dim,)),
                 (f"blk.{i}.attn_k.bias", (kv_dim,)),
@@ -157,9 +294,12 @@ def _tensor_plan(s: Shape) -> list[tuple[str, tuple[int, int] | tuple[int]]]:
                 (f"blk.{i}.attn_k_norm.weight", (s.n_embd_head,)),
             ]
         plan.append((f"blk.{i}.attn_output.weight", (s.n_embd, q_dim)))
-        if s.arch == "gemma3":
+        if s.arch == "gpt-oss":  # an output bias and a sink logit a head; the post-attention norm is the FFN's
+            plan += [(f"blk.{i}.attn_output.bias", (s.n_embd,)), (f"blk.{i}.attn_sinks.weight", (s.n_head,))]
+        if s.arch in ("gemma3", "gpt-oss"):
             plan.append((f"blk.{i}.post_attention_norm.weight", (s.n_embd,)))
-        plan.append((f"blk.{i}.ffn_norm.weight", (s.n_embd,)))
+        if s.arch != "gpt-oss":
+            plan.append((f"blk.{i}.ffn_norm.weight", (s.n_embd,)))
         if s.n_expert:  # the router, then each matrix's experts, one (rows, cols) slice an expert
             plan += [
                 (f"blk.{i}.ffn_gate_inp.weight", (s.n_expert, s.n_embd)),
@@ -167,6 +307,13 @@ def _tensor_plan(s: Shape) -> list[tuple[str, tuple[int, int] | tuple[int]]]:
                 (f"blk.{i}.ffn_up_exps.weight", (s.n_expert, s.expert_width, s.n_embd)),
                 (f"blk.{i}.ffn_down_exps.weight", (s.n_expert, s.n_embd, s.expert_width)),
             ]
+            if s.arch == "gpt-oss":  # the router's and every expert's biases
+                plan += [
+                    (f"blk.{i}.ffn_gate_inp.bias", (s.n_expert,)),
+                    (f"blk.{i}.ffn_gate_exps.bias", (s.n_expert, s.expert_width)),
+                    (f"blk.{i}.ffn_up_exps.bias", (s.n_expert, s.expert_width)),
+                    (f"blk.{i}.ffn_down_exps.bias", (s.n_expert, s.n_embd)),
+                ]
         elif s.arch == "phi3":  # gate and up in one matrix, gate rows first
             plan.append((f"blk.{i}.ffn_up.weight", (2 * s.n_ff, s.n_embd)))
         else:
@@ -189,32 +336,35 @@ def _output_name(s: Shape) -> str:
     return "token_embd.weight" if s.tied_embeddings else "output.weight"
 
 
-def _is_quantized(name: str, dims: tuple[int, ...], qtype: str) -> bool:
-    # norms, biases and the router stay F32 (as convert_hf_to_gguf keeps ffn_gate_inp)
-    return len(dims) >= 2 and qtype == "Q4_0" and "ffn_gate_inp" not in name
+def _tensor_type(shape: Shape, name: str, dims: tuple[int, ...], qtype: str) -> str:
+    """F32 for norms, biases, sinks and the router (as convert_hf_to_gguf keeps ffn_gate_inp); gpt-oss's experts
+    MXFP4 (as published); every other matrix qtype."""
+    if qtype == "F32" or len(dims) < 2 or name.endswith(".bias") or "ffn_gate_inp" in name:
+        return "F32"
+    return "MXFP4" if shape.arch == "gpt-oss" and "_exps" in name else qtype
 
 
-def _data_bytes(name: str, dims: tuple[int, ...], qtype: str) -> int:
-    if _is_quantized(name, dims, qtype):
-        return math.prod(dims) // 32 * 18
-    return math.prod(dims) * 4
+BLOCK = {"Q4_0": 18, "MXFP4": 17}  # bytes per block of 32 weights
 
 
-def predicted_size(shape: Shape, qtype: str = "Q4_0") -> int:
+def _data_bytes(shape: Shape, name: str, dims: tuple[int, ...], qtype: str) -> int:
+    t = _tensor_type(shape, name, dims, qtype)
+    return math.prod(dims) // 32 * BLOCK[t] if t in BLOCK else math.prod(dims) * 4
+
+
+def predicted_size(shape: Shape, qtype: str = "Q4_0", tokenizer: str | Path | None = None) -> int:
     """The size of the file write() makes, without writing it, to within a kilobyte: the tensor data and the
     header's vocabulary and tensor table exactly, the rest of the metadata (under 1 KB) as an allowance."""
     plan = _tensor_plan(shape)
     header = 4 + 4 + 8 + 8  # magic, version, tensor count, key-value count
-    tokens, _, _ = _vocab(shape.n_vocab)
-    array_head = 8 + 32 + 4 + 4 + 8  # key length, a key of about 32 bytes, value type, item type, item count
-    header += array_head + sum(8 + len(t.encode("utf-8")) for t in tokens)  # tokenizer.ggml.tokens
-    header += 2 * (array_head + 4 * shape.n_vocab)  # scores (f32) and token types (i32)
+    vocab = copied_vocab(tokenizer, shape.n_vocab) if tokenizer else _vocab(shape.n_vocab)
+    header += _vocab_header_bytes(vocab)
     header += 640  # the scalar metadata
     for name, dims in plan:
         header += 8 + len(name) + 4 + 8 * len(dims) + 4 + 8  # name, n_dims, dims, type, offset
     data = 0
     for name, dims in plan:
-        data += -(-_data_bytes(name, dims, qtype) // ALIGNMENT) * ALIGNMENT
+        data += -(-_data_bytes(shape, name, dims, qtype) // ALIGNMENT) * ALIGNMENT
     return -(-header // ALIGNMENT) * ALIGNMENT + data
 
 
@@ -230,6 +380,54 @@ def _q4_0(rows: int, cols: int, rng: np.random.Generator, scale: float = 1.0) ->
     return blocks.reshape(rows, cols // 32 * 18)
 
 
+def _q4_0_of(values: np.ndarray) -> np.ndarray:
+    """values (rows x a multiple of 32) as Q4_0 blocks, rounded as ggml's quantize_row_q4_0_ref does."""
+    import numpy as np
+
+    rows, cols = values.shape
+    x = values.reshape(rows, cols // 32, 32).astype(np.float32)
+    peak = np.take_along_axis(x, np.abs(x).argmax(axis=2)[..., None], axis=2)  # the signed value of largest size
+    d = peak / -8
+    inv = np.divide(1.0, d, out=np.zeros_like(d), where=d != 0)
+    q = np.minimum(15, (x * inv + 8.5).astype(np.int8)).astype(np.uint8)
+    blocks = np.empty((rows, cols // 32, 18), dtype=np.uint8)
+    blocks[..., :2] = d.astype(np.float16).view(np.uint8)
+    blocks[..., 2:] = q[..., :16] | (q[..., 16:] << 4)
+    return blocks.reshape(rows, cols // 32 * 18)
+
+
+def _route_codes(tokenizer: str | Path, n_vocab: int, route: slice, rng: np.random.Generator) -> np.ndarray:
+    """Each token's code for "text" routing: the tokenizer model's embedding of it, centred on the mean over its
+    vocabulary and projected at random onto the route's dimensions, scaled to the embedding's other weights (a Q4_0
+    weight's typical size); random for the padding beyond its vocabulary."""
+    import gguf
+    import numpy as np
+
+    from flexoffload import FlexoffloadError
+
+    embd = next((t for t in gguf.GGUFReader(str(tokenizer)).tensors if t.name == "token_embd.weight"), None)
+    if embd is None:
+        raise FlexoffloadError(f"{tokenizer} has no token_embd to route by")
+    real = gguf.quants.dequantize(embd.data, embd.tensor_type)
+    real -= real[:min(len(real), n_vocab)].mean(axis=0)
+    width = route.stop - route.start
+    codes = rng.normal(0, 1, (n_vocab, width)).astype(np.float32)
+    n = min(len(real), n_vocab)
+    codes[:n] = real[:n] @ rng.normal(0, 1, (real.shape[1], width)).astype(np.float32)
+    return codes / codes[:n].std() * 0.04
+
+
+def _mxfp4(rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """Random MXFP4 blocks (an E8M0 exponent + 16 bytes of FP4 pairs per 32 weights) scaled about as Q4_0's."""
+    import numpy as np
+
+    n_blocks = rows * cols // 32
+    blocks = np.empty((n_blocks, 17), dtype=np.uint8)
+    blocks[:, 0] = rng.integers(118, 122, n_blocks, dtype=np.uint8)  # 2^-10 .. 2^-7 times the table's -12 .. 12
+    blocks[:, 1:] = rng.integers(0, 256, (n_blocks, 16), dtype=np.uint8)
+    return blocks.reshape(rows, cols // 32 * 17)
+
+
 def _add_hparams(w, shape: Shape) -> None:
     """The architecture's hyperparameters, as convert_hf_to_gguf writes them for it."""
     w.add_context_length(shape.n_ctx_train)
@@ -238,7 +436,7 @@ def _add_hparams(w, shape: Shape) -> None:
     w.add_feed_forward_length(shape.n_ff)
     w.add_head_count(shape.n_head)
     w.add_head_count_kv(shape.n_head_kv)
-    if shape.arch in ("gemma3", "qwen3moe"):  # its head width is not n_embd / n_head, and it ropes the whole head
+    if shape.arch in ("gemma3", *MOE_ARCHS):  # its head width is not n_embd / n_head, and it ropes the whole head
         w.add_key_length(shape.n_embd_head)
         w.add_value_length(shape.n_embd_head)
     else:
@@ -256,64 +454,93 @@ def _add_hparams(w, shape: Shape) -> None:
 
 
 def write(path: str | Path, shape: Shape = TINY, qtype: str = "Q4_0", seed: int = 0,
-          output_seed: int | None = None, output_scale: float = 1.0) -> Path:
-    """Write a GGUF of the shape's architecture at path. qtype: Q4_0 or F32 for the 2-D weights; norms and biases
-    are F32.
+          output_seed: int | None = None, output_scale: float = 1.0, routing: str = "random",
+          tokenizer: str | Path | None = None, progress=None) -> Path:
+    """Write a GGUF of the shape's architecture at path. qtype: Q4_0 or F32 for the 2-D weights (gpt-oss's experts
+    MXFP4 where it is Q4_0); norms and biases are F32.
 
     output_seed: draw the output matrix from its own seed, so that a model with fewer layers from the same seeds
     shares embeddings, first layers and output with a deeper one (a draft that often agrees with its target).
     output_scale: multiplies the output matrix, so logits spread and the next token is not near uniform.
-    With tied embeddings the output matrix is token_embd, and both apply to it."""
+    With tied embeddings the output matrix is token_embd, and both apply to it.
+    routing: "random" or "text" (the module's docstring). tokenizer: a GGUF whose vocabulary to copy.
+    progress: called after each tensor with the data bytes written so far and in all."""
     import gguf
     import numpy as np
 
     if qtype not in ("Q4_0", "F32"):
         raise ValueError(f"qtype must be Q4_0 or F32, not {qtype}")
+    if routing not in ROUTINGS:
+        raise ValueError(f"routing must be one of {', '.join(ROUTINGS)}, not {routing}")
+    if routing == "text" and not shape.n_expert:
+        raise ValueError("text routing is for a mixture of experts")
     path = Path(path)
     rng = np.random.default_rng(seed)
+    vocab = copied_vocab(tokenizer, shape.n_vocab) if tokenizer else _vocab(shape.n_vocab)
     w = gguf.GGUFWriter(str(path), shape.arch)
     # llama.cpp gives a model whose name says "phi3" Phi-3's special tokens (<|endoftext|>), which this vocabulary
     # lacks, and refuses it
     name_arch = "phi-three" if shape.arch == "phi3" else shape.arch
-    w.add_name(f"synthetic-{name_arch}-{shape.n_layer}x{shape.n_embd}-{qtype}")
+    w.add_name(f"synthetic-{name_arch}-{shape.n_layer}x{shape.n_embd}-{qtype}" + ("-text" if routing == "text" else ""))
     _add_hparams(w, shape)
     w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_0 if qtype == "Q4_0" else gguf.LlamaFileType.ALL_F32)
-    tokens, scores, types = _vocab(shape.n_vocab)
-    w.add_tokenizer_model("llama")
-    w.add_token_list(tokens)
-    w.add_token_scores(scores)
-    w.add_token_types(types)
-    w.add_unk_token_id(0)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_add_bos_token(True)
+    _add_vocab(w, vocab)
 
     plan = _tensor_plan(shape)
     for name, dims in plan:
-        if _is_quantized(name, dims, qtype):
-            w.add_tensor_info(name, (*dims[:-1], dims[-1] // 32 * 18), np.dtype(np.uint8),
-                              _data_bytes(name, dims, qtype), raw_dtype=gguf.GGMLQuantizationType.Q4_0)
+        t = _tensor_type(shape, name, dims, qtype)
+        if t in BLOCK:
+            w.add_tensor_info(name, (*dims[:-1], dims[-1] // 32 * BLOCK[t]), np.dtype(np.uint8),
+                              _data_bytes(shape, name, dims, qtype), raw_dtype=gguf.GGMLQuantizationType[t])
         else:
-            w.add_tensor_info(name, dims, np.dtype(np.float32), _data_bytes(name, dims, qtype))
+            w.add_tensor_info(name, dims, np.dtype(np.float32), _data_bytes(shape, name, dims, qtype))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
     output_name = _output_name(shape)
+    silent = np.array(vocab.silent())
+    # "text" routing: the token's dimensions, which only the embedding writes and only the routers read
+    route = slice(shape.n_embd - (ROUTE_DIMS if shape.n_embd >= 512 else 32), shape.n_embd)
+    total, done = sum(_data_bytes(shape, name, dims, qtype) for name, dims in plan), 0
     for name, dims in plan:
-        if name.endswith(".bias"):
+        t = _tensor_type(shape, name, dims, qtype)
+        if name.endswith(".bias") or name.endswith("attn_sinks.weight"):
             data = rng.normal(0, 0.05, dims).astype(np.float32)
         elif len(dims) == 1:  # norms: ones (gemma's are stored with its +1 already added, so ones there too)
             data = np.ones(dims, dtype=np.float32)
         else:
             r = np.random.default_rng(output_seed) if name == output_name and output_seed is not None else rng
             scale = output_scale if name == output_name else 1.0
-            if qtype == "F32" or not _is_quantized(name, dims, qtype):
+            if t == "F32":
                 data = r.normal(0, 0.05 * scale, dims).astype(np.float32)
             else:  # a matrix, or an expert tensor's slices (one expert's rows after another's)
-                data = _q4_0(math.prod(dims[:-1]), dims[-1], r, scale).reshape(*dims[:-1], dims[-1] // 32 * 18)
-        if name == output_name:  # zero logits for <unk>, <s>, </s> and bytes: the noise is whole pieces
-            data[:N_SPECIAL] = 0
+                make = _mxfp4 if t == "MXFP4" else lambda rows, cols, g: _q4_0(rows, cols, g, scale)
+                data = make(math.prod(dims[:-1]), dims[-1], r).reshape(*dims[:-1], dims[-1] // 32 * BLOCK[t])
+        if name == output_name:  # zero logits for control, byte and unused tokens: the noise is whole pieces
+            data[silent] = 0
+        if routing == "text" and name == "token_embd.weight" and tokenizer and t == "Q4_0":
+            data[:, route.start // 32 * 18:] = _q4_0_of(_route_codes(tokenizer, shape.n_vocab, route, rng))
+        if routing == "text":
+            _keep_route(name, data, route)
         w.write_tensor_data(data)
         del data  # before the next tensor is made: one tensor in memory at a time
+        done += _data_bytes(shape, name, dims, qtype)
+        if progress:
+            progress(done, total)
     w.close()
     return path
+
+
+def _keep_route(name: str, data, route: slice) -> None:
+    """"text" routing: nothing but the embedding writes the route's dimensions (all-zero blocks are zeros in Q4_0
+    and MXFP4 alike) and the routers read nothing else."""
+    if name.endswith(("attn_output.weight", "attn_output.bias")):
+        data[route] = 0
+    elif name.endswith(("ffn_down_exps.weight", "ffn_down_exps.bias")):
+        data[:, route] = 0
+    elif name.endswith("ffn_gate_inp.weight"):
+        keep = data[:, route].copy()
+        data[:] = 0
+        data[:, route] = keep
+    elif name.endswith("ffn_gate_inp.bias"):
+        data[:] = 0

@@ -1,0 +1,120 @@
+"""Synthetic mixtures of experts routed as text routes (issue 42, items 1-2): with `routing="text"` every layer
+routes a token by the token alone, as llama.cpp itself runs the file; a real model's vocabulary copied, so a real
+prompt tokenizes as it does for that model; the shapes people run, at one layer, load and generate under
+llama-completion with our greedy text; and the locality figures measured on traces whose answer is known."""
+
+import dataclasses
+import math
+
+import numpy as np
+import pytest
+from conftest import cli
+from test_equality import llama_completion
+
+from flexoffload.gguf import synth
+from flexoffload.gguf.model import load
+from flexoffload.measure import tracing
+from flexoffload.plan import locality
+from flexoffload.plan.replay import Trace
+from flexoffload.runtime import engine
+
+TEXT = tracing.calibration_text()[:2500]
+
+
+def _routed_by_token(path, tokens) -> np.ndarray:
+    """tokens x layers x used: the experts each layer's router picks from the token's embedding alone (its route
+    dimensions), from the file's weights."""
+    import gguf
+
+    m = load(path)
+    tensors = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
+    emb = tensors["token_embd.weight"]
+    codes = gguf.quants.dequantize(emb.data, emb.tensor_type)[tokens][:, m.n_embd - 32:]
+    out = []
+    for layer in range(m.n_layer):
+        router = np.asarray(tensors[f"blk.{layer}.ffn_gate_inp.weight"].data)
+        out.append(np.argsort(-(codes @ router[:, m.n_embd - 32:].T), axis=1)[:, :m.n_expert_used])
+    return np.stack(out, axis=1)
+
+
+def _check_routed_by_token(path):
+    m = load(path)
+    with engine.Engine(path, engine.Settings(n_ctx=512, n_threads=2, strategy="mmap")) as e:
+        tokens = e.tokenize(TEXT)[:300]
+    traced = tracing.measure(m, tokens, 2, max_tokens=300).ids
+    want = _routed_by_token(path, tokens)
+    same = [set(a) == set(b) for a, b in zip(traced.reshape(-1, m.n_expert_used), want.reshape(-1, m.n_expert_used))]
+    assert all(same), f"{sum(same)} of {len(same)} choices are the token's"
+    return traced
+
+
+def test_text_routing_routes_each_token_by_the_token_alone(tmp_path):
+    """gpt-oss (a biased router, MXFP4 experts) with text routing: llama.cpp's own choice at every layer, for every
+    token of a text, is the top-k of the router over the token's embedding (its route dimensions) alone: nothing
+    the layers compute reaches the router. With random routing the same model does not route so."""
+    shape = synth.SHAPES["gpt-oss-tiny"]
+    traced = _check_routed_by_token(synth.write(tmp_path / "text.gguf", shape, routing="text"))
+    assert len(np.unique(traced[:, 1])) > shape.n_expert_used  # tokens differ, so their experts do
+    random = synth.write(tmp_path / "random.gguf", shape, routing="random")
+    with engine.Engine(random, engine.Settings(n_ctx=512, n_threads=2, strategy="mmap")) as e:
+        tokens = e.tokenize(TEXT)[:300]
+    assert not np.array_equal(np.sort(tracing.measure(load(random), tokens, 2, max_tokens=300).ids, axis=2),
+                              np.sort(_routed_by_token(random, tokens), axis=2))
+
+
+@pytest.mark.integration
+def test_a_real_vocabulary_makes_real_token_statistics(tmp_path, real_model):
+    """qwen3moe (64 experts, 8 used) with the real Qwen2.5 vocabulary and its embeddings as routing codes: a text
+    tokenizes as it does for the real model, routing is the token's, and greedy text is never a silent token
+    (control, unused, or a piece of a UTF-8 character). Real text routes with locality (an LRU cache of a quarter of
+    the experts hits far more often than on uniformly random tokens, which route as uniform routing does: a token
+    shares k/n of its experts with the one before)."""
+    shape = dataclasses.replace(synth.SHAPES["qwen3moe-tiny"], n_vocab=151936, n_expert=64, n_expert_used=8)
+    path = synth.write(tmp_path / "qwen.gguf", shape, routing="text", tokenizer=real_model)
+    settings = engine.Settings(n_ctx=512, n_threads=2, strategy="mmap", temp=0)
+    with engine.Engine(real_model, settings) as real, engine.Engine(path, settings) as synthetic:
+        assert synthetic.tokenize(TEXT) == real.tokenize(TEXT)
+        generated = synthetic.generate("def fib(n):\n", 16).tokens
+    silent = synth.copied_vocab(real_model, shape.n_vocab).silent()
+    assert generated and not any(silent[t] for t in generated)
+    text = _check_routed_by_token(path)
+    uniform = tracing.measure(load(path), list(np.random.default_rng(0).integers(0, 151643, 300)), 2).ids
+    text, uniform = (Trace(shape.n_layer, shape.n_expert, shape.n_expert_used, ids) for ids in (text, uniform))
+    assert locality.lru_hits(text)["16/64"] > locality.lru_hits(uniform)["16/64"] + 0.15
+    assert abs(locality.mean(locality.by_layer(uniform)).repeat - 8 / 64) < 0.05
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("name", ["qwen3moe-30b-a3b", "gpt-oss-20b"])
+def test_the_shapes_people_run_generate_as_llama_completion_does(name, tmp_path, real_model):
+    """Qwen3-30B-A3B's and gpt-oss-20b's shapes at one layer (every width as published, the real vocabulary, text
+    routing): the file is the size predicted, and our greedy text (mmap) is llama-completion's."""
+    shape = dataclasses.replace(synth.SHAPES[name], n_layer=1)
+    path = synth.write(tmp_path / f"{name}.gguf", shape, routing="text", tokenizer=real_model)
+    assert abs(path.stat().st_size - synth.predicted_size(shape, tokenizer=real_model)) < 1024
+    with engine.Engine(path, engine.Settings(n_ctx=256, n_batch=32, n_threads=2, temp=0, strategy="mmap")) as e:
+        ours = e.generate("def fib(n):\n", 12).text
+    assert ours and ours == llama_completion(path, "def fib(n):\n", 12, ctx=256, batch=32)
+
+
+def test_locality_figures_on_traces_whose_answer_is_known():
+    n_tokens, n_expert, k = 200, 16, 4
+    same = Trace(1, n_expert, k, np.tile(np.arange(k), (n_tokens, 1, 1)))  # every token the same 4 experts
+    [row] = locality.by_layer(same)
+    assert row.touched == k / n_expert and row.repeat == 1.0
+    assert math.isclose(row.entropy, math.log2(k) / math.log2(n_expert))
+    rotate = Trace(1, n_expert, k, np.array([[(np.arange(k) + k * t) % n_expert] for t in range(n_tokens)]))
+    [row] = locality.by_layer(rotate, window=2)  # disjoint neighbours, an even load over all experts
+    assert row.repeat == 0.0 and math.isclose(row.entropy, 1.0) and row.touched == 2 * k / n_expert
+    hits = locality.lru_hits(rotate)  # a cycle through all 16 experts misses every time under LRU at 4 or 8 slots
+    assert hits == {"4/16": 0.0, "8/16": 0.0}
+    assert locality.lru_hits(same)["4/16"] > 0.99
+
+
+def test_cli_writes_text_routing_and_refuses_it_for_a_dense_shape(tmp_path):
+    out = tmp_path / "oss.gguf"
+    r = cli("models", "synth", "gpt-oss-tiny", "--routing", "text", "-o", str(out), check=True)
+    assert load(out).arch == "gpt-oss" and "100 %" in r.stderr
+    r = cli("models", "synth", "tiny", "--routing", "text", "-o", str(tmp_path / "dense.gguf"))
+    assert r.returncode != 0 and "mixture of experts" in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "dense.gguf").exists() and not (tmp_path / "dense.gguf.part").exists()
