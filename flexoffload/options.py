@@ -97,6 +97,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("cache_type_v", ("-ctv", "--cache-type-v"), "f16", "the KV cache's V type (quantized: with flash "
            "attention)", STREAMING, choices=tuple(KV_TYPES)),
     Option("n_threads", ("-t", "--threads"), THEXPERT_READS, "compute threads", COMMANDS),
+    Option("forced", (), "", "text decoded after the prompt in place of the sampled tokens, token by token (teacher "
+           "forcing): a benchmark's decode that routes as real text does on a synthetic model whose own output is "
+           "noise (no speculation)", ()),
     Option("temp", ("--temp",), 0.8, "temperature; 0 is greedy", ("run",)),
     Option("seed", ("--seed",), -1, "sampling seed (-1: random)", ("run",)),
     Option("verbose", ("-v", "--verbose"), False, "show llama.cpp's log", ("run", "serve"), is_flag=True),
@@ -329,6 +332,10 @@ RULES: tuple[Rule, ...] = (
     Rule(lambda r: (bool(r.draft) or _free_given(r)) and (r.n_ubatch == 1 or r.n_batch < 2),
          "speculation (-md, --spec-type) verifies trees of 2 tokens or more a pass: -b and -ub at least 2",
          "a tree is verified in one forward pass"),
+    Rule(lambda r: bool(r.forced) and (bool(r.draft) or _free_given(r) or r.chat),
+         "a forced text decodes token by token: not with -md, --spec-type or -cnv",
+         "teacher forcing measures the target's decode as a text routes it; a tree or a conversation would choose "
+         "other tokens"),
     Rule(lambda r: bool(r.rpc and r.draft), "--rpc and -md: speculation with a draft model runs on this machine only",
          "not built: the draft's placement beside the target's on the servers (free drafters do run with --rpc, "
          "their trees kept under the servers' tiled kernels' 8 rows)"),

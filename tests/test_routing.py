@@ -118,3 +118,27 @@ def test_cli_writes_text_routing_and_refuses_it_for_a_dense_shape(tmp_path):
     r = cli("models", "synth", "tiny", "--routing", "text", "-o", str(tmp_path / "dense.gguf"))
     assert r.returncode != 0 and "mixture of experts" in r.stderr and "Traceback" not in r.stderr
     assert not (tmp_path / "dense.gguf").exists() and not (tmp_path / "dense.gguf.part").exists()
+
+
+def test_a_forced_text_is_decoded_in_place_of_the_sampled_tokens(tmp_path):
+    """Teacher forcing (Request.forced): the run decodes the text's tokens, one a pass, and reports them, streamed
+    in a child under a budget as unbudgeted in this process; with a tree it is refused in one line."""
+    from flexoffload import FlexoffloadError, api
+
+    from flexoffload.measure import probe
+    from flexoffload.plan.planners import run_minimum
+
+    shape = dataclasses.replace(synth.SHAPES["gpt-oss-tiny"], n_embd=512, n_ff_expert=256, n_vocab=4096)
+    path = synth.write(tmp_path / "oss.gguf", shape, routing="text")
+    forced = " ab ac ad ae af ag ah"
+    with engine.Engine(path, engine.Settings(n_ctx=256, n_threads=2, strategy="mmap")) as e:
+        want = e.tokenize(forced, add_special=False)[:5]
+    request = api.Request(model=str(path), prompt="a b", n_predict=5, n_ctx=256, n_batch=32, n_threads=2, temp=0,
+                          forced=forced)
+    free = api.generate(request)
+    assert free["tokens"] == want and free["timings"]["forced"] and free["n_gen"] == 5
+    budget = run_minimum(load(path), probe.measure(load(path), 256, 32))  # the experts and more stream
+    streamed = api.generate(dataclasses.replace(request, mem=str(budget), strategy="stream"), enforce=True)
+    assert streamed["tokens"] == want and streamed["enforced"] and streamed["plan"]["streamed_mb"] > 0
+    with pytest.raises(FlexoffloadError, match="forced"):
+        api.prepare(dataclasses.replace(request, spec_type="ngram-simple"))

@@ -48,7 +48,7 @@ def free_pays(model, r, limit: int | None) -> bool:
     whose one-token pass takes FREE_PAYS times the target's compute or more (the disk, not compute, sets the pass, so
     a tree costs little more than a token). Not for a mixture of experts (predicted neurons too): each of a tree's
     tokens reads its own experts, so a pass reads more than a token's."""
-    if (limit is None or r.strategy != "stream" or r.plan_dir or r.rpc or r.chat or r.n_ubatch
+    if (limit is None or r.strategy != "stream" or r.plan_dir or r.rpc or r.chat or r.forced or r.n_ubatch
             or r.flash_attn != "auto" or kv_quantized(r) or model.n_expert):
         return False
     try:

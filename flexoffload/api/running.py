@@ -80,7 +80,7 @@ def run_prepared(p: Prepared, on_text=None, read_line=None, note=None) -> dict:
                           "table_mb": result["timings"].get("free_table_bytes", 0) / MiB}
     else:
         with engine.Engine(path, settings) as eng:
-            result = eng.generate(r.prompt, r.n_predict, on_text).to_dict()
+            result = eng.generate(r.prompt, r.n_predict, on_text, forced=r.forced or None).to_dict()
     timings = result.get("timings", {})
     if "stream_read_gb_s" in timings:
         typical = p.tree is None and settings.window > 0  # a tree's passes are not

@@ -285,18 +285,25 @@ class Engine:
             stream.set_n_ubatch(self.ctx, s.decode_ubatch)
             self.made_resident = stream.make_resident(self.model, s.resident_after_prefill)
 
-    def generate(self, prompt: str, n_predict: int, on_text=None) -> Result:
-        """Greedy or sampled generation of up to n_predict tokens (-1: until end of text or context)."""
-        return self.complete(self.start(prompt), n_predict, on_text)
+    def generate(self, prompt: str, n_predict: int, on_text=None, forced: str | None = None) -> Result:
+        """Greedy or sampled generation of up to n_predict tokens (-1: until end of text or context). forced: a text
+        whose tokens are decoded in place of the sampled ones (teacher forcing), up to n_predict of them."""
+        prompt_tokens = self.start(prompt)
+        return self.complete(prompt_tokens, n_predict, on_text,
+                             forced=self.tokenize(forced, add_special=False) if forced else None)
 
     def forget(self, n_keep: int) -> None:
         """Drop the KV cache's cells from position n_keep on (a conversation whose next text differs there)."""
         self.lib.llama_memory_seq_rm(self.lib.llama_get_memory(self.ctx), -1, n_keep, -1)
 
-    def complete(self, prompt_tokens: list[int], n_predict: int, on_text=None, cached: int = 0) -> Result:
+    def complete(self, prompt_tokens: list[int], n_predict: int, on_text=None, cached: int = 0,
+                 forced: list[int] | None = None) -> Result:
         """generate's loop from tokens: the first `cached` of them are in the KV cache already (a conversation's
-        earlier turns, runtime/chat.py), the rest are decoded, then up to n_predict tokens generated."""
+        earlier turns, runtime/chat.py), the rest are decoded, then up to n_predict tokens generated (forced: these
+        in place of the sampled ones; the sampler still runs, so each step costs what it does unforced)."""
         lib = self.lib
+        if forced is not None:
+            n_predict = len(forced) if n_predict < 0 else min(n_predict, len(forced))
         sampler = self._sampler()
         out, stop = TextOut(self, on_text), "limit"
         tokens = out.tokens
@@ -308,6 +315,8 @@ class Engine:
             t_first, steps = None, []  # each decode pass's time
             while n_predict < 0 or len(tokens) < n_predict:
                 token = lib.llama_sampler_sample(sampler, self.ctx, -1)
+                if forced is not None:
+                    token = forced[len(tokens)]
                 if t_first is None:
                     t_first = time.perf_counter()
                 if lib.llama_vocab_is_eog(self.vocab, token):
@@ -330,7 +339,7 @@ class Engine:
             t_end = time.perf_counter()
         finally:
             lib.llama_sampler_free(sampler)
-        timings = {}
+        timings = {"forced": True} if forced is not None else {}
         if steps:  # a slow token is what a user notices: a cache's misses come in bursts
             ordered = sorted(steps)
             timings["token_p50_s"] = ordered[len(ordered) // 2]
