@@ -142,3 +142,17 @@ def test_a_forced_text_is_decoded_in_place_of_the_sampled_tokens(tmp_path):
     assert streamed["tokens"] == want and streamed["enforced"] and streamed["plan"]["streamed_mb"] > 0
     with pytest.raises(FlexoffloadError, match="forced"):
         api.prepare(dataclasses.replace(request, spec_type="ngram-simple"))
+
+
+def test_a_long_first_measurement_says_how_far_it_is_and_how_long_to_go(tmp_path, caplog):
+    """Tracing a text's experts logs its progress as it goes (at most a line a tenth, the time to go extrapolated
+    from the tokens done), the last line the whole."""
+    import logging
+
+    path = synth.write(tmp_path / "moe.gguf", synth.SHAPES["qwen3moe-tiny"], routing="text")
+    with caplog.at_level(logging.INFO, logger="flexoffload"):
+        tokens = [259 + i * 7 % 125 for i in range(360)]  # pieces of the 384-token vocabulary
+        trace = tracing.measure(load(path), tokens, 2, max_tokens=360, n_ubatch=32)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("tracing experts:")]
+    assert trace.n_tokens == 360 and 5 <= len(lines) <= 10
+    assert "to go" in lines[0] and lines[-1].startswith("tracing experts: 360 of 360 tokens")

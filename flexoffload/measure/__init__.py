@@ -13,3 +13,26 @@ def about(seconds: float) -> str:
     if seconds < 90 * 60:
         return f"about {seconds / 60:.0f} min"
     return f"about {seconds / 3600:.1f} h"
+
+
+class Progress:
+    """A long measurement's progress lines on `log`: how far it is, and the time to go extrapolated from the work
+    done so far (an estimate from this machine and this model, whatever its size), at most one line a tenth."""
+
+    def __init__(self, log, what: str, total: float, unit: str):
+        import time
+
+        self.log, self.what, self.total, self.unit = log, what, total, unit
+        self.t0, self.shown = time.perf_counter(), 0
+
+    def __call__(self, done: float) -> None:
+        import time
+
+        tenth = int(done * 10 // max(self.total, 1e-9))
+        if tenth <= self.shown or done <= 0:
+            return
+        self.shown = tenth
+        elapsed = time.perf_counter() - self.t0
+        rest = elapsed / done * (self.total - done)
+        self.log.info("%s: %d of %d %s in %.0f s%s", self.what, done, self.total, self.unit, elapsed,
+                      f", {about(rest)} to go" if done < self.total else "")

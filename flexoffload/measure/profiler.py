@@ -27,6 +27,7 @@ from pathlib import Path
 from flexoffload import FlexoffloadError
 from flexoffload.defaults import CHUNK_BYTES, IO_THREADS, cache_dir, file_key, write_atomic
 from flexoffload.gguf.model import Model
+from flexoffload.measure import about
 from flexoffload.plan.costmodel import MATMUL_KINDS, Profile, chunk_rows, row_bytes
 
 HUGE_PAGE = 2 << 20  # a transparent huge page on x86-64 and arm64 (4 KiB base pages)
@@ -363,12 +364,18 @@ def as_measured(model: Model, n_threads: int, remeasure: bool = False) -> Profil
     if cached.exists() and not remeasure:
         d = json.loads(cached.read_text())
         return Profile.from_dict(d)
+    timed = sum(n for _, n in pass_requests(model, 768 << 20))
     log.info("measuring this machine's disk and compute for %s at -t %d (once, cached; `flexoffload profile "
-             "-m %s` does it ahead): a few seconds to a minute", model.path.name, n_threads, model.path)
+             "-m %s` does it ahead): 3 reads of %.2f GB, %sthe file read into the page cache (%.1f GB), then 28 "
+             "tokens decoded", model.path.name, n_threads, model.path, timed / 1e9,
+             "3 s of expert reads, " if model.n_expert else "", model.file_size / 1e9)
     disk = disk_speed(model)
-    if disk.direct and sum(n for _, n in pass_requests(model, 768 << 20)) >= SUSTAINED_BYTES:
+    if disk.direct and timed >= SUSTAINED_BYTES:
         record_disk_bw(model.path, max(disk.passes), "profile")
     bursts = expert_reads(model) if model.n_expert else None
+    if model.file_size > 1 << 30:  # the rest is bound by reading the file once: say how long that takes here
+        log.info("disk: %.2f GB/s; reading %.1f GB into the page cache: %s at that speed, then the decoding",
+                 disk.bandwidth / 1e9, model.file_size / 1e9, about(model.file_size / max(disk.bandwidth, 1)))
     tok_s = compute_speed(model.path, n_threads)
     profile = Profile.calibrated(model, tok_s=tok_s, disk_bw=disk.bandwidth, io_latency=disk.latency)
     if bursts is not None:

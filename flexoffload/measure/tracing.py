@@ -25,6 +25,7 @@ import numpy as np
 from flexoffload import FlexoffloadError
 from flexoffload.defaults import cache_dir, content_key, file_key, write_atomic
 from flexoffload.gguf.model import Model
+from flexoffload.measure import Progress
 from flexoffload.plan.replay import Trace
 from flexoffload.prompts import humaneval
 
@@ -90,6 +91,7 @@ def measure(model: Model, text: str | list[int], n_threads: int, max_tokens: int
         if not tokens:
             raise FlexoffloadError("the text to trace the experts of has no tokens")
         memory = lib.llama_get_memory(eng.ctx)
+        progress = Progress(log, "tracing experts", len(tokens), "tokens")
         outputs = (ctypes.c_int8 * n_ubatch)(*([1] * n_ubatch))  # every token an output: see the docstring
         for start in range(0, len(tokens), n_ctx):
             lib.llama_memory_clear(memory, True)
@@ -105,6 +107,7 @@ def measure(model: Model, text: str | list[int], n_threads: int, max_tokens: int
                     raise FlexoffloadError(f"llama_decode failed ({rc}) while tracing experts: "
                                            f"{eng.log.last_error()}")
                 rows.append(_ubatch_ids(model, recorder.ids, len(part)))
+                progress(start + i + len(part))
     return Trace(model.n_layer, model.n_expert, model.n_expert_used, np.concatenate(rows),
                  f"{source}, {len(tokens)} tokens" if source else f"{len(tokens)} tokens")
 
@@ -146,8 +149,9 @@ def trace(model: Model, text: str | list[int] | None = None, n_threads: int | No
     if path.is_file() and not remeasure:
         return Trace.read(path)
     log.info("tracing which experts up to %d tokens of text route to in %s (once, cached; `flexoffload profile "
-             "--experts -m %s` does it ahead): about as long as a prompt of that many tokens", max_tokens,
-             model.path.name, model.path)
+             "--experts -m %s` does it ahead): as long as a prompt of that many tokens with the file mapped (%.1f GB "
+             "read where it is not in memory); it says how long to go as it goes", max_tokens, model.path.name,
+             model.path, model.file_size / 1e9)
     what = "HumanEval 0-39 with solutions" if default else "a text"
     result = measure(model, text, n_threads or os.cpu_count() or 1, max_tokens, n_ctx, n_ubatch,
                      source=f"{model.path.name}: {what}")

@@ -12,6 +12,7 @@ import time
 from flexoffload import FlexoffloadError
 from flexoffload.defaults import cache_dir, file_key
 from flexoffload.gguf.model import Model
+from flexoffload.measure import Progress
 from flexoffload.measure.dryrun import minimum, room, run_costs
 from flexoffload.memory.stepmem import UBATCHES, Setting
 from flexoffload.plan.costmodel import Profile
@@ -31,12 +32,14 @@ def rates(model: Model, n_threads: int, remeasure: bool = False) -> dict[int, fl
     if path.exists() and not remeasure:
         return {int(k): v for k, v in json.loads(path.read_text()).items()}
     top = max(UBATCHES)
-    log.info("timing a prefill pass of %s at each ubatch, %d to %d tokens (once, cached): under a minute for a "
-             "model of a few GB", model.path.name, min(UBATCHES), top)
+    log.info("timing a prefill pass of %s at each ubatch, %d to %d tokens (once, cached): the file read into the "
+             "page cache first (%.1f GB), then %d prefill tokens; it says how long to go as it goes",
+             model.path.name, min(UBATCHES), top, model.file_size / 1e9, 2 * sum(UBATCHES))
     warm_page_cache(model.path)
+    progress = Progress(log, "prefill timing", 2 * sum(UBATCHES), "tokens")
     settings = engine.Settings(n_ctx=top + 64, n_batch=top, n_ubatch=top, n_threads=n_threads, temp=0.0,
                                flash_attn="on")
-    out = {}
+    out, done = {}, 0
     with engine.Engine(str(model.path), settings) as eng:
         lib = eng.lib
         n_vocab = lib.llama_vocab_n_tokens(eng.vocab)
@@ -49,6 +52,8 @@ def rates(model: Model, n_threads: int, remeasure: bool = False) -> dict[int, fl
                 eng._decode(tokens)
                 seconds = time.perf_counter() - t0
                 best = seconds if best is None else min(best, seconds)
+                done += u
+                progress(done)
             out[u] = best
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out))
