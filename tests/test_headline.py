@@ -3,6 +3,7 @@ and ties, the README's table between its markers, Token Recycling's table reset 
 runners (ours and llama-completion) on a tiny synthetic model."""
 
 import csv
+import dataclasses
 
 import pytest
 
@@ -27,6 +28,9 @@ def test_ratios_are_paired_and_a_gap_inside_the_spread_is_a_tie():
     assert (first.median, first.low, first.high, first.ratio) == (11.0, 10.0, 12.0, 0.0)
     assert slow.ratio == pytest.approx(2.0) and slow.verdict == "2.00x"
     assert close.ratio_low < 1 < close.ratio_high and close.verdict == "tie"
+    assert first.passes == 0 and "a pass" not in hl._value(first, "decode_tok_s")
+    spec = [dataclasses.replace(r, tokens_per_pass=t) for r, t in zip(records[:3], (1.2, 1.5, 2.0))]
+    assert "1.50 tokens a pass" in hl._value(hl.summarize(spec, "decode_tok_s")[0], "decode_tok_s")
     # lower is better for the time to the first token: half the time is twice as good
     first, slow, _ = hl.summarize(records, "ttft_s")
     assert slow.ratio == pytest.approx(0.5)

@@ -295,6 +295,7 @@ class Summary:
     ratio: float = 0.0  # the row's system over this one (lower-is-better metrics inverted): above 1 ours is better
     ratio_low: float = 0.0
     ratio_high: float = 0.0
+    passes: float = 0.0  # a speculating system's median tokens a target pass (0: it did not speculate)
     errors: list[str] = field(default_factory=list)
 
     @property
@@ -318,6 +319,7 @@ def summarize(records: list[Record], metric: str) -> list[Summary]:
                     errors=sorted({r.error for r in runs if r.error}))
         if values:
             s.median, s.low, s.high = statistics.median(values), values[0], values[-1]
+            s.passes = statistics.median(r.tokens_per_pass for r in runs if r.ok)
         if name != order[0]:
             pairs = [(ours[(r.rep, r.prompt)], r.value) for r in runs
                      if r.ok and r.value > 0 and ours.get((r.rep, r.prompt), 0) > 0]
@@ -333,7 +335,8 @@ def _value(s: Summary, metric: str) -> str:
         return f"failed ({s.errors[0] if s.errors else '?'})"
     unit = "tok/s" if metric == "decode_tok_s" else "s"
     failed = f", {s.failed} of {s.runs} failed" if s.failed else ""
-    return f"{s.median:.2f} {unit} ({s.low:.2f}-{s.high:.2f}{failed})"
+    passes = f", {s.passes:.2f} tokens a pass" if s.passes > 0 else ""  # whether (and how well) it speculated
+    return f"{s.median:.2f} {unit} ({s.low:.2f}-{s.high:.2f}{failed}{passes})"
 
 
 def table(rows: list[Row], records: list[Record]) -> str:
