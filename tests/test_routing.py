@@ -15,7 +15,7 @@ from flexoffload.gguf import synth
 from flexoffload.gguf.model import load
 from flexoffload.measure import tracing
 from flexoffload.plan import locality
-from flexoffload.plan.replay import Trace
+from flexoffload.plan.replay import Trace, simulate
 from flexoffload.runtime import engine
 
 TEXT = tracing.calibration_text()[:2500]
@@ -109,6 +109,10 @@ def test_locality_figures_on_traces_whose_answer_is_known():
     hits = locality.lru_hits(rotate)  # a cycle through all 16 experts misses every time under LRU at 4 or 8 slots
     assert hits == {"4/16": 0.0, "8/16": 0.0}
     assert locality.lru_hits(same)["4/16"] > 0.99
+    # a prompt's pass first: it fills the cache, uncounted, so the decoded tokens after it all hit
+    after = simulate(same, 4, "lru", first=10)
+    assert (after.n_tokens, after.n_steps, after.requests, after.hit_rate) == (190, 190, 190 * k, 1.0)
+    assert simulate(same, 4, "lru").misses == k  # counted from cold, the first token misses
 
 
 def test_cli_writes_text_routing_and_refuses_it_for_a_dense_shape(tmp_path):

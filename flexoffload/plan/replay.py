@@ -126,12 +126,14 @@ class Replay:
                 "misses_per_token": self.misses_per_token, "misses_per_step": self.misses_per_step}
 
 
-def _steps(trace: Trace, batch: int) -> list[list[list[int]]]:
-    """Per step, per layer: the experts it uses, each once, in ascending id order (the runtime's order of use)."""
+def _steps(trace: Trace, batch: int, first: int = 0) -> list[list[list[int]]]:
+    """Per step, per layer: the experts it uses, each once, in ascending id order (the runtime's order of use); the
+    first `first` tokens one step (a prompt's pass), then steps of `batch` tokens."""
     ids = trace.ids.tolist()
+    bounds = ([0] if first else []) + list(range(first, len(ids), batch)) + [len(ids)]
     steps = []
-    for start in range(0, len(ids), batch):
-        tokens = ids[start:start + batch]
+    for start, end in zip(bounds, bounds[1:]):
+        tokens = ids[start:end]
         steps.append([sorted({e for token in tokens for e in token[layer]}) for layer in range(trace.n_layer)])
     return steps
 
@@ -139,14 +141,16 @@ def _steps(trace: Trace, batch: int) -> list[list[list[int]]]:
 _NEVER = math.inf
 
 
-def simulate(trace: Trace, slots: int, policy: str, batch: int = 1, pool: bool = False) -> Replay:
+def simulate(trace: Trace, slots: int, policy: str, batch: int = 1, pool: bool = False, first: int = 0) -> Replay:
     """Replay the trace through the expert cache (the module's docstring says how it behaves): slots units per layer,
-    or with pool one cache of slots * n_layer units that all layers share, steps of `batch` tokens."""
+    or with pool one cache of slots * n_layer units that all layers share, steps of `batch` tokens (the first
+    `first` tokens one step before them: a prompt's pass; its requests and misses are not counted, so the hit rate
+    is the decoded tokens' with the cache the prompt left)."""
     if policy not in POLICIES:
         raise FlexoffloadError(f"unknown expert cache policy {policy!r}: one of {', '.join(POLICIES)}")
     if slots < 0 or batch < 1:
         raise FlexoffloadError(f"an expert cache needs slots >= 0 and a batch >= 1, not {slots} and {batch}")
-    steps = _steps(trace, batch)
+    steps = _steps(trace, batch, first)
     n_layer = trace.n_layer
     capacity = slots * n_layer if pool else slots
     # a unit is (layer, expert)
@@ -156,9 +160,9 @@ def simulate(trace: Trace, slots: int, policy: str, batch: int = 1, pool: bool =
     by_misses = [[0] * (trace.n_expert + 1) for _ in range(n_layer)]
     requests = 0
     for s, step in enumerate(steps):
+        counted = not (first and s == 0)  # the prompt's pass fills the cache, uncounted
         for layer, units in enumerate(step):
             cache = caches[0 if pool else layer]
-            requests += len(units)
             missed = 0
             for i, e in enumerate(units):
                 unit = (layer, e)
@@ -166,9 +170,12 @@ def simulate(trace: Trace, slots: int, policy: str, batch: int = 1, pool: bool =
                     missed += 1
                 cache.use(unit, upcoming[s][layer][i] if upcoming else None)
             cache.trim({(layer, e) for e in units})
-            misses[layer] += missed
-            by_misses[layer][missed] += 1
-    return Replay(policy, slots, batch, pool, trace.n_tokens, len(steps), requests, tuple(misses),
+            if counted:
+                requests += len(units)
+                misses[layer] += missed
+                by_misses[layer][missed] += 1
+    skipped = 1 if first else 0
+    return Replay(policy, slots, batch, pool, trace.n_tokens - first, len(steps) - skipped, requests, tuple(misses),
                   tuple(tuple(x) for x in by_misses))
 
 

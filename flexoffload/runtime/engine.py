@@ -14,6 +14,7 @@ import ctypes
 import os
 import resource
 import time
+from contextlib import contextmanager
 
 from flexoffload import FlexoffloadError
 from flexoffload.defaults import STRATEGIES
@@ -109,9 +110,9 @@ def tokenize(lib, vocab, text: str, add_special: bool = True) -> list[int]:
     raise FlexoffloadError("prompt could not be tokenized")
 
 
-def count_tokens(model_path: str, text: str) -> int:
-    """The prompt's tokens as a run tokenizes it (special tokens added), from the model's vocabulary alone: a
-    prompt too long for the context is refused before anything is loaded."""
+@contextmanager
+def vocabulary(model_path: str):
+    """(lib, vocab) of the model's vocabulary alone, loaded without its weights."""
     lib = llama_cpp()
     _Log(lib, verbose=False)  # llama.cpp's log kept, not printed
     params = lib.llama_model_default_params()
@@ -120,9 +121,26 @@ def count_tokens(model_path: str, text: str) -> int:
     if not model:
         raise FlexoffloadError(f"llama.cpp could not read the vocabulary of {model_path}")
     try:
-        return len(tokenize(lib, lib.llama_model_get_vocab(model), text))
+        yield lib, lib.llama_model_get_vocab(model)
     finally:
         lib.llama_model_free(model)
+
+
+def count_tokens(model_path: str, text: str) -> int:
+    """The prompt's tokens as a run tokenizes it (special tokens added), from the model's vocabulary alone: a
+    prompt too long for the context is refused before anything is loaded."""
+    with vocabulary(model_path) as (lib, vocab):
+        return len(tokenize(lib, vocab, text))
+
+
+def detokenize(model_path: str, tokens: list[int]) -> str:
+    """The text of tokens, piece after piece (a byte sequence that is not UTF-8 replaced)."""
+    with vocabulary(model_path) as (lib, vocab):
+        buf, out = ctypes.create_string_buffer(256), bytearray()
+        for token in tokens:
+            n = lib.llama_token_to_piece(vocab, token, buf, len(buf), 0, False)
+            out += buf.raw[:max(n, 0)]
+        return out.decode("utf-8", errors="replace")
 
 
 class Engine:
