@@ -80,11 +80,11 @@ def write_gguf(path: Path, arch: str, tensors: bool = True) -> Path:
     import numpy as np
 
     w = gguf.GGUFWriter(str(path), arch)
-    tokens, scores, types = synth._vocab(300)
+    vocab = synth._vocab(300)
     w.add_tokenizer_model("llama")
-    w.add_token_list(tokens)
-    w.add_token_scores(scores)
-    w.add_token_types(types)
+    w.add_token_list(vocab.tokens)
+    w.add_token_scores(vocab.scores)
+    w.add_token_types(vocab.types)
     if tensors:
         w.add_tensor("token_embd.weight", np.zeros((300, 32), dtype=np.float32))
     w.write_header_to_file()

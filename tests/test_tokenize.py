@@ -22,11 +22,11 @@ def spelled_model(tmp_path_factory, monkeypatch_module):
     vocab = synth._vocab
 
     def plain(n_vocab):
-        tokens, scores, types = vocab(n_vocab)
+        v = vocab(n_vocab)
         letters = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
         for i in range(259, n_vocab):
-            tokens[i] = letters[(i - 259) % 52] + ("" if i - 259 < 52 else str(i))
-        return tokens, scores, types
+            v.tokens[i] = letters[(i - 259) % 52] + ("" if i - 259 < 52 else str(i))
+        return v
 
     monkeypatch_module.setattr(synth, "_vocab", plain)
     return synth.write(tmp_path_factory.mktemp("spelled") / "spelled.gguf")
