@@ -121,13 +121,7 @@ def _by_expert(path, slots: int):
     return api.prepare(request_from_args(flags)), m
 
 
-SINGLE_GROUP = ("patch 0018 (ggml-cpu/streamed, stream_ctx::enter_group_locked) counts a new pass only when compute "
-                "enters a lower streamed group than the last: where one group streams (here the one layer's experts) "
-                "there is none, so stream_passes stays 1, expert uses stop being counted after the first pass, and "
-                "the experts are read about twice as often as the routing asks (137 experts' slices for 64-76)")
-
-
-@pytest.mark.parametrize("n_layer", [2, pytest.param(1, marks=pytest.mark.xfail(strict=True, reason=SINGLE_GROUP))])
+@pytest.mark.parametrize("n_layer", [2, 1])  # 1: one streamed group, where a pass was not counted before
 def test_each_pass_reads_a_token_s_routed_experts_once_whatever_the_layers(n_layer, tmp_path, private_cache):
     """Only the experts stream (one streamed group a layer), none cached between tokens (--expert-slots 0): each
     decode pass reads each layer's k routed experts once, the prompt's pass up to all of them; the runtime counts a
@@ -144,9 +138,6 @@ def test_each_pass_reads_a_token_s_routed_experts_once_whatever_the_layers(n_lay
     assert t["expert_bytes_read"] == t["expert_uses"] * unit
 
 
-@pytest.mark.xfail(strict=True, reason="patch 0018: the cached experts' byte count (counters::bytes_expert_cached) "
-                   "is not given back when a model is freed, and reset_stats starts the peak from it: each run in a "
-                   "process reports the earlier runs' caches in its expert_cached_peak (RSS does not grow)")
 def test_the_expert_cache_peak_of_a_run_is_its_own_in_a_process_that_ran_others(tmp_path, private_cache):
     """The same Prepared run twice in this process: the same routing, the same cache, the same peak, within the
     experts' memory the plan counted."""
