@@ -518,8 +518,12 @@ def write(path: str | Path, shape: Shape = TINY, qtype: str = "Q4_0", seed: int 
                 data = make(math.prod(dims[:-1]), dims[-1], r).reshape(*dims[:-1], dims[-1] // 32 * BLOCK[t])
         if name == output_name:  # zero logits for control, byte and unused tokens: the noise is whole pieces
             data[silent] = 0
-        if routing == "text" and name == "token_embd.weight" and tokenizer and t == "Q4_0":
-            data[:, route.start // 32 * 18:] = _q4_0_of(_route_codes(tokenizer, shape.n_vocab, route, rng))
+        if routing == "text" and name == "token_embd.weight" and tokenizer:
+            codes = _route_codes(tokenizer, shape.n_vocab, route, rng)
+            if t == "F32":
+                data[:, route] = codes
+            else:
+                data[:, route.start // 32 * BLOCK[t]:] = _q4_0_of(codes)
         if routing == "text":
             _keep_route(name, data, route)
         w.write_tensor_data(data)
