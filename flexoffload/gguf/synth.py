@@ -142,6 +142,11 @@ SHAPES: dict[str, Shape] = {
 ROUTE_DIMS = 64  # the residual stream's dimensions "text" routing keeps for the token (32 below 512 wide)
 
 
+def route_dims(n_embd: int) -> int:
+    """The width of "text" routing's dimensions, the last of the residual stream."""
+    return ROUTE_DIMS if n_embd >= 512 else 32
+
+
 @dataclass
 class Vocab:
     """A vocabulary as the GGUF's tokenizer.* keys hold it."""
@@ -500,7 +505,7 @@ def write(path: str | Path, shape: Shape = TINY, qtype: str = "Q4_0", seed: int 
     output_name = _output_name(shape)
     silent = np.array(vocab.silent())
     # "text" routing: the token's dimensions, which only the embedding writes and only the routers read
-    route = slice(shape.n_embd - (ROUTE_DIMS if shape.n_embd >= 512 else 32), shape.n_embd)
+    route = slice(shape.n_embd - route_dims(shape.n_embd), shape.n_embd)
     total, done = sum(_data_bytes(shape, name, dims, qtype) for name, dims in plan), 0
     for name, dims in plan:
         t = _tensor_type(shape, name, dims, qtype)
