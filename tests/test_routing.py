@@ -29,11 +29,12 @@ def _routed_by_token(path, tokens) -> np.ndarray:
     m = load(path)
     tensors = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
     emb = tensors["token_embd.weight"]
-    codes = gguf.quants.dequantize(emb.data, emb.tensor_type)[tokens][:, m.n_embd - 32:]
+    route = slice(m.n_embd - synth.route_dims(m.n_embd), m.n_embd)
+    codes = gguf.quants.dequantize(emb.data, emb.tensor_type)[tokens][:, route]
     out = []
     for layer in range(m.n_layer):
         router = np.asarray(tensors[f"blk.{layer}.ffn_gate_inp.weight"].data)
-        out.append(np.argsort(-(codes @ router[:, m.n_embd - 32:].T), axis=1)[:, :m.n_expert_used])
+        out.append(np.argsort(-(codes @ router[:, route].T), axis=1)[:, :m.n_expert_used])
     return np.stack(out, axis=1)
 
 

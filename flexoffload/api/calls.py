@@ -12,7 +12,7 @@ from flexoffload.gguf import catalog
 from flexoffload.measure import probe, profiler, tracing, tuning
 from flexoffload.memory import budgets
 from flexoffload.options import Budget, Draft, Generation, Placement, Precision, Request, request
-from flexoffload.plan import replay
+from flexoffload.plan import locality, replay
 from flexoffload.plan.costmodel import compute_seconds
 from flexoffload.api.running import execute, run_in_cgroup
 from flexoffload.api.preparing import prepare
@@ -70,17 +70,21 @@ def tune(model, budget: int, profile, n_ctx: int = 2048, n_batch: int = 512, n_b
 def experts(model, slots: list[int] | None = None, text: str | None = None, n_threads: int | None = None,
             batch: int = 512, remeasure: bool = False) -> dict:
     """profile --experts: the experts a text routes to (measure/tracing.py; None: the HumanEval tuning problems;
-    measured once, cached) replayed through an expert cache of each slot count and policy (plan/replay.py)."""
+    measured once, cached) replayed through an expert cache of each slot count and policy (plan/replay.py), and
+    how local the routing is, by layer and on average (plan/locality.py: layer -1 the mean)."""
     n_threads = n_threads or os.cpu_count() or 1
     trace = tracing.trace(model, text, n_threads, remeasure=remeasure)
     replay.check(model, trace)
     profile = profiler.measure(model, n_threads)
     slots = replay.default_slots(model) if slots is None else slots
+    layers = locality.by_layer(trace)
     return {"model": str(model.path), "name": model.name, "source": trace.source, "tokens": trace.n_tokens,
             "n_layer": model.n_layer, "n_expert": model.n_expert, "n_used": model.n_expert_used,
             "unit_bytes": replay.unit_bytes(model), "disk_bw": profile.disk_bw,
             "resident_tok_s": 1.0 / compute_seconds(model, profile),
-            "rows": replay.table(model, trace, slots, profile, batch)}
+            "rows": replay.table(model, trace, slots, profile, batch),
+            "locality": [x.to_dict() for x in layers] + [locality.mean(layers).to_dict()],
+            "lru_hits": locality.lru_hits(trace)}
 
 
 def check(r: Request) -> None:

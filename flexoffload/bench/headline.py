@@ -256,7 +256,8 @@ def measure(rows: list[Row], repetitions: int, csv_path: Path, reset: Reset = Re
                                      tokens_per_pass=round(out.tokens_per_pass, 3),
                                      acceptance_rate=round(out.acceptance_rate, 3), peak_mb=round(out.peak_mb, 1),
                                      limit_mb=round(case.limit / MiB, 1), wall_s=round(out.wall_s, 1),
-                                     same_text="" if system is row.systems[0] else str(out.ok and agree(out.text, first)),
+                                     same_text="" if system is row.systems[0]
+                                     else str(out.ok and agree(out.text, first)),
                                      error=out.error, at=time.strftime("%Y-%m-%dT%H:%M:%S"))
                         writer.writerow(asdict(rec))
                         f.flush()

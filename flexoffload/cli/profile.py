@@ -126,6 +126,13 @@ def _profile_experts(model, threads, slots, file, batch, remeasure, as_json) -> 
     click.echo(f"slots: expert units cached a layer (pool hit: as many units shared by all layers); belady: the "
                f"bound no policy of slots a layer beats; units/ubatch: read by a prompt ubatch of {batch} tokens; "
                f"tok/s: decode, the misses read at the disk's bandwidth, none overlapping compute (docs/experts.md)")
+    click.echo(f"{'layer':>5} {'touched/100':>11} {'entropy':>7} {'repeat':>6}")
+    for x in r["locality"]:
+        click.echo(f"{'mean' if x['layer'] < 0 else x['layer']:>5} {x['touched']:>11.1%} {x['entropy']:>7.3f} "
+                   f"{x['repeat']:>6.1%}")
+    click.echo("touched/100: the share of a layer's experts 100 tokens in a row use; entropy: of its load, 1 "
+               "uniform; repeat: the share of a token's experts the token before used too; LRU hits at "
+               + ", ".join(f"{k} slots {v:.1%}" for k, v in r["lru_hits"].items()) + " (plan/locality.py)")
 
 
 def _profile_neurons(model, threads: int, n_group: int | None, levels: str | None, as_json: bool) -> None:

@@ -35,6 +35,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+# the vocabularies live in vocab.py; synth.copied_vocab and synth._vocab stay reachable here (tests patch _vocab)
+from flexoffload.gguf.vocab import _add_vocab, _vocab, _vocab_header_bytes, copied_vocab  # noqa: F401
+
 if TYPE_CHECKING:
     import numpy as np
 
@@ -142,127 +145,9 @@ SHAPES: dict[str, Shape] = {
 ROUTE_DIMS = 64  # the residual stream's dimensions "text" routing keeps for the token (32 below 512 wide)
 
 
-@dataclass
-class Vocab:
-    """A vocabulary as the GGUF's tokenizer.* keys hold it."""
-    model: str  # "llama" (SentencePiece-style) or "gpt2" (byte-level BPE)
-    tokens: list[str]
-    types: list[int]
-    scores: list[float] | None = None
-    merges: list[str] | None = None
-    pre: str | None = None
-    bos: int | None = None
-    eos: int | None = None
-    padding: int | None = None
-    add_bos: bool = False
-    chat_template: str | None = None
-
-    def silent(self) -> list[bool]:
-        """The tokens whose output weights are zero: all but whole pieces of valid UTF-8."""
-        import gguf
-
-        normal = [t == gguf.TokenType.NORMAL for t in self.types]
-        if self.model != "gpt2":
-            return [not n for n in normal]
-        decode = {c: b for b, c in _bytes_to_unicode().items()}
-        out = []
-        for token, n in zip(self.tokens, normal):
-            try:
-                bytes(decode[c] for c in token).decode("utf-8")
-                out.append(not n)
-            except (KeyError, UnicodeDecodeError):
-                out.append(True)
-        return out
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's map from a byte to the character byte-level BPE writes it as."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("\xa1"), ord("\xac") + 1)) + \
-        list(range(ord("\xae"), ord("\xff") + 1))
-    cs, n = bs[:], 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, map(chr, cs)))
-
-
-def _vocab(n_vocab: int) -> Vocab:
-    """<unk>, <s>, </s>, the 256 byte tokens, then filler pieces up to n_vocab."""
-    import gguf
-
-    T = gguf.TokenType
-    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
-    types = [T.UNKNOWN, T.CONTROL, T.CONTROL] + [T.BYTE] * 256
-    letters = "abcdefghijklmnopqrstuvwxyz"
-    i = 0
-    while len(tokens) < n_vocab:
-        piece = "\u2581" + letters[i % 26] + (letters[(i // 26) % 26] if i >= 26 else "") + (str(i // 676) if i >= 676 else "")
-        tokens.append(piece)
-        types.append(T.NORMAL)
-        i += 1
-    scores = [0.0, 0.0, 0.0] + [0.0] * 256 + [-float(k) for k in range(len(tokens) - 259)]
-    return Vocab("llama", tokens[:n_vocab], [int(t) for t in types[:n_vocab]], scores=scores[:n_vocab], bos=1, eos=2,
-                 add_bos=True)
-
-
-def copied_vocab(path: str | Path, n_vocab: int) -> Vocab:
-    """A real model's vocabulary from its GGUF, padded with unused tokens up to n_vocab."""
-    import gguf
-
-    from flexoffload import FlexoffloadError
-    from flexoffload.gguf.model import metadata
-
-    keys = ("tokens", "token_type", "scores", "merges")
-    kv = metadata(path, frozenset(f"tokenizer.ggml.{k}" for k in keys))
-    tokens, types = kv.get("tokenizer.ggml.tokens"), kv.get("tokenizer.ggml.token_type")
-    if not tokens or types is None:
-        raise FlexoffloadError(f"{path} holds no tokenizer")
-    if len(tokens) > n_vocab:
-        raise FlexoffloadError(f"{path}'s {len(tokens)} tokens do not fit a vocabulary of {n_vocab}")
-    n_pad = n_vocab - len(tokens)
-    scores = kv.get("tokenizer.ggml.scores")
-    return Vocab(kv["tokenizer.ggml.model"], tokens + [f"[PAD{i}]" for i in range(n_pad)],
-                 types + [int(gguf.TokenType.UNUSED)] * n_pad,
-                 scores=scores + [0.0] * n_pad if scores else None, merges=kv.get("tokenizer.ggml.merges"),
-                 pre=kv.get("tokenizer.ggml.pre"), bos=kv.get("tokenizer.ggml.bos_token_id"),
-                 eos=kv.get("tokenizer.ggml.eos_token_id"), padding=kv.get("tokenizer.ggml.padding_token_id"),
-                 add_bos=bool(kv.get("tokenizer.ggml.add_bos_token")), chat_template=kv.get("tokenizer.chat_template"))
-
-
-def _add_vocab(w, v: Vocab) -> None:
-    w.add_tokenizer_model(v.model)
-    if v.pre:
-        w.add_tokenizer_pre(v.pre)
-    w.add_token_list(v.tokens)
-    if v.scores:
-        w.add_token_scores(v.scores)
-    w.add_token_types(v.types)
-    if v.merges:
-        w.add_token_merges(v.merges)
-    if v.model == "llama":
-        w.add_unk_token_id(0)
-    for add, value in ((w.add_bos_token_id, v.bos), (w.add_eos_token_id, v.eos), (w.add_pad_token_id, v.padding)):
-        if value is not None:
-            add(value)
-    w.add_add_bos_token(v.add_bos)
-    if v.chat_template:
-        w.add_chat_template(v.chat_template)
-
-
-def _vocab_header_bytes(v: Vocab) -> int:
-    """The tokenizer keys' bytes in the header, to within the allowance predicted_size gives the scalars."""
-    array_head = 8 + 32 + 4 + 4 + 8  # key length, a key of about 32 bytes, value type, item type, item count
-
-    def strings(items):
-        return array_head + sum(8 + len(t.encode("utf-8")) for t in items)
-
-    out = strings(v.tokens) + array_head + 4 * len(v.types)
-    out += array_head + 4 * len(v.scores) if v.scores else 0
-    out += strings(v.merges) if v.merges else 0
-    out += len(v.chat_template.encode("utf-8")) if v.chat_template else 0
-    return out
+def route_dims(n_embd: int) -> int:
+    """The width of "text" routing's dimensions, the last of the residual stream."""
+    return ROUTE_DIMS if n_embd >= 512 else 32
 
 
 def _tensor_plan(s: Shape) -> list[tuple[str, tuple[int, int] | tuple[int]]]:
@@ -500,7 +385,7 @@ def write(path: str | Path, shape: Shape = TINY, qtype: str = "Q4_0", seed: int 
     output_name = _output_name(shape)
     silent = np.array(vocab.silent())
     # "text" routing: the token's dimensions, which only the embedding writes and only the routers read
-    route = slice(shape.n_embd - (ROUTE_DIMS if shape.n_embd >= 512 else 32), shape.n_embd)
+    route = slice(shape.n_embd - route_dims(shape.n_embd), shape.n_embd)
     total, done = sum(_data_bytes(shape, name, dims, qtype) for name, dims in plan), 0
     for name, dims in plan:
         t = _tensor_type(shape, name, dims, qtype)
@@ -518,8 +403,12 @@ def write(path: str | Path, shape: Shape = TINY, qtype: str = "Q4_0", seed: int 
                 data = make(math.prod(dims[:-1]), dims[-1], r).reshape(*dims[:-1], dims[-1] // 32 * BLOCK[t])
         if name == output_name:  # zero logits for control, byte and unused tokens: the noise is whole pieces
             data[silent] = 0
-        if routing == "text" and name == "token_embd.weight" and tokenizer and t == "Q4_0":
-            data[:, route.start // 32 * 18:] = _q4_0_of(_route_codes(tokenizer, shape.n_vocab, route, rng))
+        if routing == "text" and name == "token_embd.weight" and tokenizer:
+            codes = _route_codes(tokenizer, shape.n_vocab, route, rng)
+            if t == "F32":
+                data[:, route] = codes
+            else:
+                data[:, route.start // 32 * BLOCK[t]:] = _q4_0_of(codes)
         if routing == "text":
             _keep_route(name, data, route)
         w.write_tensor_data(data)
