@@ -109,15 +109,15 @@ def test_a_moe_streamed_writes_llama_completion_s_greedy_text(name, reads, tmp_p
 
 # --- the runtime's accounting of expert reads ------------------------------------------------------------------------
 
-def _by_expert(path, slots: int):
-    """A streamed run of the file prepared near its least budget, its experts read by expert, `slots` of them a
-    layer cached between tokens: (the Prepared, the Model)."""
+def _by_expert(path, slots: int, prompt: str = PROMPT, room: int = 0):
+    """A streamed run of the file prepared near its least budget (and `room` bytes more), its experts read by
+    expert, `slots` of them a layer cached between tokens: (the Prepared, the Model)."""
     m = load(path)
     set_profile(path, 2, TOK_S, disk_bw=m.weight_bytes * TOK_S / 4)
     budget = int(run_minimum(m, probe.measure(m, 256, 32)) * 1.02)  # room for embeddings and output: resident
-    budget += 2 * (expertcache.memory(m, slots) - expertcache.memory(m, 0))
+    budget += 2 * (expertcache.memory(m, slots) - expertcache.memory(m, 0)) + room
     flags = ["-m", str(path), "--mem", str(budget), *SETTING, "--strategy", "stream", "--expert-reads", "routed",
-             "--expert-slots", str(slots), "--spec-type", "none", "-p", PROMPT, "-n", "16", "--temp", "0"]
+             "--expert-slots", str(slots), "--spec-type", "none", "-p", prompt, "-n", "16", "--temp", "0"]
     return api.prepare(request_from_args(flags)), m
 
 
@@ -146,3 +146,27 @@ def test_the_expert_cache_peak_of_a_run_is_its_own_in_a_process_that_ran_others(
     first, second = api.run_prepared(prepared)["timings"], api.run_prepared(prepared)["timings"]
     assert first["expert_uses"] == second["expert_uses"] and first["expert_bytes_read"] == second["expert_bytes_read"]
     assert second["expert_cached_peak"] == first["expert_cached_peak"] <= prepared.plan.memory.experts
+
+
+def test_a_prompt_batch_reads_the_next_layer_s_experts_ahead_and_keeps_what_it_would_have_kept(tmp_path,
+                                                                                             private_cache):
+    """Routed as text (a token's experts follow the token), a prompt of a few dozen tokens names most experts of
+    each of the 3 layers in a batch, so each layer reads all of the next one's experts ahead while it computes
+    (patch 0022), and gives back at once those its own batch then did not use. Against the same Prepared without
+    reading ahead, in fresh processes: the same tokens, experts used and hits (an expert read ahead is a miss its
+    layer did not wait for: the cache keeps the same experts), no fewer bytes read; the cached experts' peak no
+    lower, within what the plan counts (the next layer holding all of its experts beside this one's)."""
+    shape = dataclasses.replace(synth.SHAPES["qwen3moe-tiny"], n_layer=3, **STREAMED["qwen3moe-tiny"])
+    path = synth.write(tmp_path / "moe.gguf", shape, seed=SEED["qwen3moe-tiny"], routing="text")
+    room = expertcache.ahead(load(path), 4)  # the plan reads ahead where its budget holds it
+    prepared, m = _by_expert(path, 4, prompt=" ".join(f"word{i} thing{i * 7}" for i in range(12)), room=room)
+    assert prepared.settings.expert_ahead and prepared.plan.experts.ahead
+    assert prepared.plan.memory.experts == expertcache.memory(m, 4) + room
+    without = dataclasses.replace(prepared, settings=dataclasses.replace(prepared.settings, expert_ahead=False))
+    ahead, alone = (api.run_in_cgroup(p, None, timeout=300) for p in (prepared, without))
+    assert ahead["n_prompt"] >= 24 and ahead["tokens"] == alone["tokens"]
+    a, b = ahead["timings"], alone["timings"]
+    assert (a["expert_uses"], a["expert_hit_rate"]) == (b["expert_uses"], b["expert_hit_rate"])
+    assert a["expert_ahead"] >= (m.n_layer - 1) * m.n_expert and b["expert_ahead"] == 0
+    assert a["expert_bytes_read"] >= b["expert_bytes_read"]
+    assert b["expert_cached_peak"] <= a["expert_cached_peak"] <= prepared.plan.memory.experts

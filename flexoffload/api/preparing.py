@@ -191,6 +191,7 @@ def settings_for(w, plan, limit: int | None, model, tree: bool) -> tuple[engine.
         window=(w.window if w.window is not None else plan.window) if plan else 0,
         expert_slots=plan.experts.slots if plan and plan.experts else -1,
         expert_whole=bool(plan and plan.experts and plan.experts.whole),
+        expert_ahead=bool(plan and plan.experts and plan.experts.ahead),
         io_threads=w.io_threads or (plan.io_threads if plan else IO_THREADS), verbose=w.verbose)
     return settings, decode_tok_s
 

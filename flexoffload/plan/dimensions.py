@@ -160,14 +160,17 @@ class Experts:
     bytes_per_token: float  # expert bytes read a token: the predicted misses, or (whole) the streamed expert tensors
     seconds: float  # what the experts add to a decoded token's time
     whole: bool = False
+    ahead: bool = False  # a prompt batch reads the next layer's experts ahead (its memory counted)
 
     def to_dict(self) -> dict:
         d = {"slots": self.slots, "policy": self.policy}
         if self.whole:  # written only where true, as before
             d["whole"] = True
+        if self.ahead:
+            d["ahead"] = True
         return {**d, "hit_rate": self.hit_rate, "bytes_per_token": self.bytes_per_token, "seconds": self.seconds}
 
     @classmethod
     def from_dict(cls, d: Mapping) -> "Experts":
         return cls(slots=d["slots"], policy=d["policy"], hit_rate=d["hit_rate"], bytes_per_token=d["bytes_per_token"],
-                   seconds=d["seconds"], whole=bool(d.get("whole", False)))
+                   seconds=d["seconds"], whole=bool(d.get("whole", False)), ahead=bool(d.get("ahead", False)))

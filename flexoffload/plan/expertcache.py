@@ -7,7 +7,9 @@ slot count, and the two share the budget: the cache takes `slots` experts of eve
 hold all of one layer's experts at once (it uses the union of its tokens' experts, trimmed back after the layer).
 
 Expert reads cannot hide behind compute the way window prefetches do: which experts a layer needs is known only
-when its router has run. So a miss costs its read time on top of the dense pipeline's time. What experts cost is
+when its router has run. So a decoded token's miss costs its read time on top of the dense pipeline's time. A
+prompt batch that names most of a layer's experts can read the next layer's ahead (patch 0022) while it computes,
+at the memory of a second layer's experts: a plan does so where its budget holds that beside what it planned. What experts cost is
 replay.cost's (the one cost model of experts); this module sizes the cache and asks it.
 """
 
@@ -40,6 +42,13 @@ def memory(model: Model, slots: int, ubatch: int | None = None) -> int:
     used = n if ubatch is None else min(n, ubatch * k)
     units = [replay.unit_bytes(model)[il] for il in expert_layers(model)]
     return sum(slots * u for u in units) + max((max(used - slots, 0) * u for u in units), default=0)
+
+
+def ahead(model: Model, slots: int) -> int:
+    """What reading ahead adds to memory(): while a prompt batch's layer computes, the next layer holds all of
+    its experts beside its slots (patch 0022); 0 where a single layer has experts."""
+    units = [replay.unit_bytes(model)[il] for il in expert_layers(model)]
+    return max((max(model.n_expert - slots, 0) * u for u in units), default=0) if len(units) > 1 else 0
 
 
 def uniform(model: Model) -> MissesBySlots:

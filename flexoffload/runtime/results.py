@@ -80,5 +80,6 @@ def stream_timings(elapsed_s: float, model) -> dict:
     experts = stream.expert_stats()  # of the process: a draft model is dense
     if experts["n_uses"]:
         timings.update(expert_uses=experts["n_uses"], expert_hit_rate=experts["n_hits"] / experts["n_uses"],
-                       expert_bytes_read=experts["bytes_read"], expert_cached_peak=experts["bytes_cached_peak"])
+                       expert_bytes_read=experts["bytes_read"], expert_cached_peak=experts["bytes_cached_peak"],
+                       expert_ahead=experts["n_ahead"])
     return timings

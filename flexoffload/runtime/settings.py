@@ -26,6 +26,7 @@ class Settings:
     chunk_bytes: int = CHUNK_BYTES  # streamed tensors larger than this are read in row chunks
     expert_slots: int = -1  # a mixture of experts: experts each layer keeps between tokens (-1: all it read)
     expert_whole: bool = False  # its expert tensors stream whole, by the window, not by expert
+    expert_ahead: bool = False  # a prompt batch naming most of a layer's experts reads the next layer's ahead
     n_outputs: int = 1  # logits rows one forward pass returns (a speculation tree needs one per node)
     n_seq_max: int = 1  # sequences in the KV cache (a speculation tree: one per branch, in one unified cache)
     n_ubatch: int = 0  # tokens a forward pass computes at once (llama.cpp's -ub); 0: n_batch

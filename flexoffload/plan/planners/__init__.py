@@ -144,12 +144,16 @@ def _moe_plan(model: Model, budget: int, policy: str, profile: Profile, window: 
     seconds, p, c, experts = best
     expert_names = {t.name for t in model.tensors if t.kind == "expert"}
     streamed = set(p.streamed) | expert_names
+    # a prompt batch reads the next layer's experts ahead where the budget holds them beside the plan: prefill's
+    # reads then overlap its compute (decode, the plan's measure, never reads ahead, so it gets no memory from it)
+    extra = expertcache.ahead(model, c.slots)
+    ahead = 0 < extra <= budget - experts - p.memory.total
     return replace(
-        p, model=str(model.path), budget=budget, memory=replace(p.memory, experts=experts),
+        p, model=str(model.path), budget=budget, memory=replace(p.memory, experts=experts + extra * ahead),
         streamed=tuple(t.name for t in model.tensors if t.name in streamed),
         predicted_tok_s=1.0 / seconds,
         experts=Experts(slots=c.slots, policy="lru", hit_rate=c.hit_rate, bytes_per_token=c.bytes_per_token,
-                        seconds=c.seconds))
+                        seconds=c.seconds, ahead=ahead))
 
 
 def _whole_plan(model: Model, budget: int, policy: str, profile: Profile, window: int | None, io_threads: int,
