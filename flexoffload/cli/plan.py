@@ -208,8 +208,8 @@ def plan(out_dir, tune_best, tune_rounds, max_prompt, prompt_len, as_json, **par
                    f"predicted faster than reading the routed ones")
     elif x is not None:
         click.echo(f"  experts: {x.slots} of {model.n_expert} cached a layer ({m.experts / MiB:.0f} MiB with a "
-                   f"batch's{' and the next layer read ahead' if x.ahead else ''}), predicted hit rate {x.hit_rate:.0%}, "
-                   f"{x.bytes_per_token / MiB:.1f} MiB read a token")
+                   f"batch's{' and the next layer read ahead' if x.ahead else ''}), predicted hit rate "
+                   f"{x.hit_rate:.0%}, {x.bytes_per_token / MiB:.1f} MiB read a token")
     click.echo(f"  predicted {p.predicted_tok_s:.2f} tok/s; roofline {p.roofline_tok_s:.2f} tok/s")
     if p.tuning:
         click.echo("  tuned: the candidates, measured under the budget\n" + tuning.describe(p))
