@@ -22,28 +22,33 @@ from flexoffload.plan.prefill import after_prefill, ttft
 log = logging.getLogger(__name__)
 
 
-def rates(model: Model, n_threads: int, remeasure: bool = False) -> dict[int, float]:
+def rates(model: Model, n_threads: int, remeasure: bool = False, up_to: int | None = None) -> dict[int, float]:
     """Seconds one prefill pass of u tokens takes with every weight in memory, by u (UBATCHES), cached: a context
-    of the largest ubatch, warm, the best of two passes at each size."""
+    of the largest ubatch timed, warm, the best of two passes at each size. up_to: only the sizes up to the least
+    ubatch that holds up_to tokens are needed (those missing from the cache timed and added to it); None: all.
+    A large model's first use then times the passes its prompt can take, not 2048-token ones (a 17 GB MoE: about
+    a quarter of the tokens for a 512-token prompt)."""
     from flexoffload.measure.profiler import warm_page_cache
     from flexoffload.runtime import engine
 
     path = cache_dir() / "profiles" / f"{file_key(model.path)}-t{n_threads}-prefill-v1.json"
-    if path.exists() and not remeasure:
-        return {int(k): v for k, v in json.loads(path.read_text()).items()}
-    top = max(UBATCHES)
+    known = {} if remeasure or not path.exists() else {int(k): v for k, v in json.loads(path.read_text()).items()}
+    top = max(UBATCHES) if up_to is None else min((u for u in UBATCHES if u >= up_to), default=max(UBATCHES))
+    missing = [u for u in UBATCHES if u <= top and u not in known]
+    if not missing:
+        return known
     log.info("timing a prefill pass of %s at each ubatch, %d to %d tokens (once, cached): the file read into the "
              "page cache first (%.1f GB), then %d prefill tokens; it says how long to go as it goes",
-             model.path.name, min(UBATCHES), top, model.file_size / 1e9, 2 * sum(UBATCHES))
+             model.path.name, min(missing), max(missing), model.file_size / 1e9, 2 * sum(missing))
     warm_page_cache(model.path)
-    progress = Progress(log, "prefill timing", 2 * sum(UBATCHES), "tokens")
-    settings = engine.Settings(n_ctx=top + 64, n_batch=top, n_ubatch=top, n_threads=n_threads, temp=0.0,
-                               flash_attn="on")
-    out, done = {}, 0
+    progress = Progress(log, "prefill timing", 2 * sum(missing), "tokens")
+    settings = engine.Settings(n_ctx=max(missing) + 64, n_batch=max(missing), n_ubatch=max(missing),
+                               n_threads=n_threads, temp=0.0, flash_attn="on")
+    out, done = dict(known), 0
     with engine.Engine(str(model.path), settings) as eng:
         lib = eng.lib
         n_vocab = lib.llama_vocab_n_tokens(eng.vocab)
-        for u in UBATCHES:
+        for u in missing:
             tokens = [(7 * i + 11) % n_vocab for i in range(u)]
             best = None
             for _ in range(2):
@@ -56,7 +61,7 @@ def rates(model: Model, n_threads: int, remeasure: bool = False) -> dict[int, fl
                 progress(done)
             out[u] = best
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(out))
+    path.write_text(json.dumps({str(u): out[u] for u in sorted(out)}))
     return out
 
 
@@ -67,7 +72,7 @@ def choose(model: Model, budget: int, n_prompt: int, n_predict: int, n_ctx: int,
     plan, and its predicted time to first token."""
     from flexoffload.plan.planners import make_plan
 
-    rate = rates(model, n_threads)
+    rate = rates(model, n_threads, up_to=n_prompt)  # the loop below stops at the first ubatch holding the prompt
     best = None
     for u in sorted(UBATCHES):
         if u > max(n_prompt, min(UBATCHES)) and best is not None:
