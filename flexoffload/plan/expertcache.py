@@ -9,7 +9,7 @@ hold all of one layer's experts at once (it uses the union of its tokens' expert
 Expert reads cannot hide behind compute the way window prefetches do: which experts a layer needs is known only
 when its router has run. So a decoded token's miss costs its read time on top of the dense pipeline's time. A
 prompt batch that names most of a layer's experts can read the next layer's ahead (patch 0022) while it computes,
-at the memory of a second layer's experts: a plan does so where its budget holds that beside what it planned.
+at the memory of a second layer's experts (`ahead`); no plan turns that on yet (docs/moe.md says why).
 What experts cost is replay.cost's (the one cost model of experts); this module sizes the cache and asks it.
 """
 
