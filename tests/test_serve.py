@@ -684,7 +684,7 @@ def test_llama_server_flags_from_the_runs_settings():
     assert server.environment(settings) == {"LLAMA_STREAM_WINDOW": "2", "LLAMA_STREAM_IO_THREADS": "5",
                                             "LLAMA_STREAM_CHUNK_BYTES": str(settings.chunk_bytes),
                                             "LLAMA_STREAM_EXPERT_SLOTS": "4", "LLAMA_STREAM_EXPERT_WHOLE": "0",
-                                            "GGML_CPU_TILED_MM": "0"}
+                                            "LLAMA_STREAM_EXPERT_AHEAD": "0", "GGML_CPU_TILED_MM": "0"}
     # a plan that streams a MoE's expert tensors whole (patch 0021)
     assert server.environment(replace(settings, expert_whole=True))["LLAMA_STREAM_EXPERT_WHOLE"] == "1"
     mmap = server.llama_server_args("/m/model.gguf", Settings(strategy="mmap"), 1, "/s.sock")
