@@ -144,15 +144,14 @@ def _moe_plan(model: Model, budget: int, policy: str, profile: Profile, window: 
     seconds, p, c, experts = best
     expert_names = {t.name for t in model.tensors if t.kind == "expert"}
     streamed = set(p.streamed) | expert_names
-    # reading ahead in a prompt (patch 0022) stays off: on the 30B-A3B shape at 4 GiB a plan with room for it by
-    # this count ran out of memory under --enforce (docs/moe.md), so what it holds is not yet counted right
-    extra, ahead = expertcache.ahead(model, c.slots), False
+    # reading ahead in a prompt (patch 0022) is not planned (Experts.ahead stays False): on the 30B-A3B shape at
+    # 4 GiB a plan with room for it by expertcache.ahead's count ran out of memory under --enforce (docs/moe.md)
     return replace(
-        p, model=str(model.path), budget=budget, memory=replace(p.memory, experts=experts + extra * ahead),
+        p, model=str(model.path), budget=budget, memory=replace(p.memory, experts=experts),
         streamed=tuple(t.name for t in model.tensors if t.name in streamed),
         predicted_tok_s=1.0 / seconds,
         experts=Experts(slots=c.slots, policy="lru", hit_rate=c.hit_rate, bytes_per_token=c.bytes_per_token,
-                        seconds=c.seconds, ahead=ahead))
+                        seconds=c.seconds))
 
 
 def _whole_plan(model: Model, budget: int, policy: str, profile: Profile, window: int | None, io_threads: int,
