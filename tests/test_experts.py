@@ -12,7 +12,7 @@ from flexoffload import FlexoffloadError
 from flexoffload.gguf import synth
 from flexoffload.gguf.model import load
 from flexoffload.measure import tracing
-from flexoffload.plan import replay
+from flexoffload.plan import expertcache, replay
 from flexoffload.plan.costmodel import Profile, compute_seconds
 from flexoffload.plan.replay import Trace, simulate
 
@@ -134,9 +134,10 @@ def test_the_prediction_adds_the_missed_experts_reads_to_the_in_memory_token(moe
     reads = s.n_layer * s.n_expert_used  # every routed expert: a layer's burst of 3 requests each over 4 threads
     rounds = s.n_layer * -(-3 * s.n_expert_used // 4)
     routed = reads * unit * 1e-10  # the routed experts' compute, beside the dense weights'
-    expected = compute_seconds(m, profile) + routed + reads * unit / 1e8 + rounds * 1e-4
+    assert compute_seconds(m, profile) == pytest.approx(compute_seconds(expertcache.dense(m), profile) + routed)
+    expected = compute_seconds(m, profile) + reads * unit / 1e8 + rounds * 1e-4
     assert none.units_per_token == reads and none.bytes_per_token == reads * unit
-    assert none.compute_s == pytest.approx(compute_seconds(m, profile) + routed)
+    assert none.compute_s == pytest.approx(compute_seconds(m, profile))
     assert none.tok_s == pytest.approx(1 / expected)
     half = replay.predict(m, trace, 4, "belady", profile, io_threads=4)
     assert half.cache_bytes == 4 * s.n_layer * unit

@@ -249,15 +249,29 @@ def warm_page_cache(path: str | os.PathLike) -> None:
             pass
 
 
+# A compute measure whose threads got less than this share of their cores ran beside other work: measured so, the
+# 30B-A3B shape's profile said 1.6 tok/s in memory against 9 on the quiet machine, and its plans' predictions were
+# a third of what runs made
+BUSY_SHARE = 0.7
+
+
 def compute_speed(path: str | os.PathLike, n_threads: int, n_tokens: int = 24) -> float:
-    """Decode tok/s with all weights in memory: the compute-bound ceiling."""
+    """Decode tok/s with all weights in memory: the compute-bound ceiling. Warns where the machine was busy."""
     from flexoffload.runtime import engine
 
     warm_page_cache(path)
     settings = engine.Settings(n_ctx=512, n_threads=n_threads, temp=0.0)
     with engine.Engine(path, settings) as eng:
         eng.generate("def main():", 4)  # warm up the graph and thread pool
-        return eng.generate("def main():", n_tokens).decode_tok_s
+        cpu, wall = time.process_time(), time.perf_counter()  # process time: every thread of this process
+        tok_s = eng.generate("def main():", n_tokens).decode_tok_s
+        share = (time.process_time() - cpu) / max((time.perf_counter() - wall) * n_threads, 1e-9)
+    if share < BUSY_SHARE:
+        log.warning("the machine was busy while %s's compute was measured (its %d threads had %.0f %% of their "
+                    "cores): %.2f tok/s in memory is likely too low, and so are the plans' predictions; measure "
+                    "again on a quiet machine: flexoffload profile -m %s --remeasure", Path(path).name, n_threads,
+                    100 * share, tok_s, path)
+    return tok_s
 
 
 def _cache_path(model: Model, n_threads: int) -> Path:

@@ -329,8 +329,15 @@ def window_bytes(model: Model, resident: Collection[str], window: int) -> int:
 
 
 def compute_seconds(model: Model, profile: Profile) -> float:
-    """Compute time per token with every weight in memory."""
-    return Pipeline(model, profile).compute_seconds()
+    """Compute time per token with every weight in memory: the dense tensors' and a mixture of experts' routed
+    experts' (expert_seconds)."""
+    return Pipeline(model, profile).compute_seconds() + expert_seconds(model, profile)
+
+
+def expert_seconds(model: Model, profile: Profile) -> float:
+    """A decoded token's routed experts' compute (the Pipeline's stages count no expert tensor): their slices' bytes
+    at the profile's speed, as Profile.calibrated counts them."""
+    return sum(model.token_bytes(t) * profile.seconds_per_byte(t.type) for t in model.tensors if t.kind == "expert")
 
 
 def roofline(model: Model, profile: Profile, budget_for_weights: int) -> float:

@@ -35,7 +35,7 @@ import numpy as np
 from flexoffload import FlexoffloadError
 from flexoffload.defaults import IO_THREADS
 from flexoffload.gguf.model import Model
-from flexoffload.plan.costmodel import Profile, compute_seconds
+from flexoffload.plan.costmodel import Profile, compute_seconds, expert_seconds
 
 POLICIES = ("lru", "lfu", "belady")
 
@@ -345,10 +345,8 @@ def cost(model: Model, slots: int, misses: Misses, profile: Profile, io_threads:
     read_s = sum(share * profile.expert_read_seconds(m * sizes[il], m * reads[il], io_threads)
                  for il, layer in enumerate(misses.shares) for m, share in enumerate(layer) if m and share)
     per_layer = misses.per_layer()
-    compute_s = sum(model.token_bytes(t) * profile.seconds_per_byte(t.type) for t in model.tensors
-                    if t.kind == "expert")
-    return Cost(slots, misses.hit_rate, sum(per_layer), sum(u * b for u, b in zip(per_layer, sizes)), compute_s,
-                read_s)
+    return Cost(slots, misses.hit_rate, sum(per_layer), sum(u * b for u, b in zip(per_layer, sizes)),
+                expert_seconds(model, profile), read_s)
 
 
 @dataclass(frozen=True)
@@ -372,12 +370,12 @@ class Prediction:
 def predict(model: Model, trace: Trace, slots: int, policy: str, profile: Profile, io_threads: int = IO_THREADS,
             replay: Replay | None = None) -> Prediction:
     """Decode speed with an expert cache, by replaying the trace one token a step (or from a replay of it): the
-    token's compute with every weight in memory (compute_seconds: dense weights resident; the calibrated profile
-    spreads the measured in-memory time over the dense matmuls and the routed experts) plus cost()'s reads. Not
+    token's compute with every weight in memory (compute_seconds, the routed experts' included: the calibrated
+    profile spreads the measured in-memory time over the dense matmuls and the routed experts) plus cost()'s reads. Not
     modelled: the dense weights' own streaming (the planner adds that: planners/_moe_plan)."""
     check(model, trace)
     c = cost(model, slots, Misses.replayed(replay or simulate(trace, slots, policy)), profile, io_threads)
-    compute_s = compute_seconds(model, profile) + c.compute_s
+    compute_s = compute_seconds(model, profile)  # the routed experts' compute (c.compute_s) included
     return Prediction(policy, slots, c.hit_rate, c.units_per_token, c.bytes_per_token, slots * sum(unit_bytes(model)),
                       compute_s, c.read_s, 1.0 / (compute_s + c.read_s))
 
