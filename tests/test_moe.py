@@ -6,6 +6,7 @@ stream by expert (patches 0018-0019) with a per-layer cache whose size the plan 
 import dataclasses
 import json
 
+import numpy as np
 import pytest
 from conftest import cli
 
@@ -85,6 +86,41 @@ def test_a_moe_streamed_by_expert_gives_mmap_s_tokens(name, slots, tmp_path):
     assert cold.hits <= hits <= cold.hits + prepared.plan.experts.slots * m.n_layer
     if slots:
         assert cold.hits > 0  # the bound is not vacuous: random weights route most tokens alike (docs/experts.md)
+
+
+@pytest.mark.parametrize("policy", expertcache.POLICIES)
+def test_the_runtime_s_cache_hits_what_its_policy_s_replay_hits(policy, tmp_path):
+    """From an empty cache, the prompt one pass (it hits nothing), then a token a pass: the runtime's cache of 3
+    slots a layer under each policy (Settings.expert_policy, as a plan sets it) finds exactly what the replay of
+    that policy finds on the run's own routing, so a plan that chooses the policy by its replay chooses what the
+    runtime does. The tokens are the same under either."""
+    name = "llama-moe-tiny"
+    path = synth.write(tmp_path / f"{name}.gguf", dataclasses.replace(synth.SHAPES[name], **STREAMED[name]))
+    m = load(path)
+    slots = 3
+    mem = run_minimum(m, probe.measure(m, 256, 32)) + 2 * (expertcache.memory(m, slots) - expertcache.memory(m, 0))
+    request = api.Request(model=str(path), prompt="a b c d e f g", n_predict=12, temp=0, n_ctx=256, n_batch=32,
+                          mem=str(mem), strategy="stream", expert_slots=slots, expert_reads="routed")
+    prepared = api.prepare(request)
+    prepared = dataclasses.replace(prepared, settings=dataclasses.replace(prepared.settings, expert_policy=policy))
+    run = api.run_prepared(prepared)
+    assert run["tokens"] == api.generate(dataclasses.replace(request, mem=None, strategy="mmap"))["tokens"]
+    t = run["timings"]
+    from flexoffload.runtime import engine
+
+    with engine.Engine(str(path), engine.Settings(n_ctx=256, n_threads=1, temp=0)) as e:
+        prompt_tokens = e.tokenize(request.prompt)
+    n = len(prompt_tokens)
+    assert n == run["n_prompt"]
+    # routed as the run routes: the prompt one ubatch, whose last layer computes its output row alone (llama.cpp's
+    # inp_out_ids), then a token a ubatch
+    ids = np.concatenate([tracing.measure(m, prompt_tokens, 2, n_ubatch=n).ids,
+                          tracing.measure(m, prompt_tokens + run["tokens"][:-1], 2, n_ubatch=1).ids[n:]])
+    ids[:n, -1] = ids[n - 1, -1]
+    replayed = replay.simulate(replay.Trace(m.n_layer, m.n_expert, m.n_expert_used, ids), slots, policy, first=n)
+    prompt = sum(len(set(ids[:n, il].ravel())) for il in range(m.n_layer))  # the prompt's pass: counted, no hit
+    assert t["expert_uses"] == replayed.requests + prompt
+    assert round(t["expert_uses"] * t["expert_hit_rate"]) == replayed.hits > 0
 
 
 def _replayed(m, prompt: str, decoded: list[int], slots: int):

@@ -39,6 +39,22 @@ def test_a_burst_of_expert_slices_takes_its_latency_and_its_bytes_at_the_measure
     assert BIG.expert_read_seconds(6_000_000, 12, 4) == pytest.approx(6_000_000 / 2e9 + 3 * 50e-6)
 
 
+def test_a_profile_calibrated_from_a_moe_s_speed_in_memory_gives_that_speed_back(moe):
+    """The in-memory speed a MoE's profile was calibrated from is what compute_seconds says again: the routed
+    experts' compute counted (profile's "with every weight in memory" and predict's compute once, not without it
+    nor twice)."""
+    from flexoffload.plan.costmodel import compute_seconds, expert_seconds
+
+    profile = Profile.calibrated(moe, tok_s=50.0, disk_bw=2e9)
+    assert compute_seconds(moe, profile) == pytest.approx(1 / 50.0)
+    assert 0 < expert_seconds(moe, profile) < compute_seconds(moe, profile)
+    trace = Trace(moe.n_layer, moe.n_expert, moe.n_expert_used,
+                  np.tile(np.arange(moe.n_expert_used), (16, moe.n_layer, 1)), "one choice")
+    predicted = replay.predict(moe, trace, moe.n_expert_used, "lru", profile)
+    assert predicted.compute_s == pytest.approx(1 / 50.0)
+    assert predicted.tok_s == pytest.approx(1 / (predicted.compute_s + predicted.read_s))
+
+
 def test_misses_cost_more_at_the_slices_speed_than_at_the_large_reads_and_hits_the_same(moe):
     s = synth.SHAPES["llama-moe-tiny"]
     none_big = replay.cost(moe, 0, Misses.uniform(moe, 0), BIG)
@@ -65,7 +81,28 @@ def test_the_plan_predicts_fewer_tokens_a_second_with_the_slices_speed(moe):
     assert gap == pytest.approx(reads)
     # the planner's expert cost is replay.cost's, for any misses it is handed
     traced = Misses(0.5, ((0.5, 0.5, 0.0), (0.0, 0.0, 1.0)))
-    assert expertcache.cost(moe, 3, SLICES, lambda slots: traced, 4) == replay.cost(moe, 3, traced, SLICES, 4)
+    assert expertcache.cost(moe, 3, SLICES, lambda slots, policy: traced, 4) == replay.cost(moe, 3, traced, SLICES, 4)
+
+
+def test_the_plan_takes_the_policy_whose_replay_misses_less(moe):
+    """Experts 0 and 1 every third token, the other three pairs scanned between: at 4 slots (two pairs) LRU has
+    given 0 and 1 back by the time they come again and never hits; LFU keeps them (a third of the uses hit at
+    least). The plan sized by LRU asks LFU at the same size and takes it, its hits and cost; uniform routing, alike
+    for both, stays LRU."""
+    s = synth.SHAPES["llama-moe-tiny"]
+    scan = [[2, 3], [4, 5], [6, 7]]
+    pairs = [p for i in range(100) for p in ([0, 1], scan[2 * i % 3], scan[(2 * i + 1) % 3])]
+    trace = Trace(s.n_layer, s.n_expert, s.n_expert_used, np.array([[p] * s.n_layer for p in pairs]))
+    assert simulate(trace, 4, "lru").hit_rate < 0.01 and simulate(trace, 4, "lfu").hit_rate > 0.3
+
+    def misses(slots, policy="lru"):
+        return Misses.replayed(simulate(trace, slots, policy))
+
+    plan = make_plan(moe, 64 << 20, "balanced", SLICES, slots=4, misses=misses)
+    assert plan.experts.policy == "lfu" and plan.experts.slots == 4
+    assert plan.experts.hit_rate == pytest.approx(simulate(trace, 4, "lfu").hit_rate)
+    assert plan.experts.seconds == pytest.approx(expertcache.cost(moe, 4, SLICES, misses, 4, "lfu").seconds)
+    assert make_plan(moe, 64 << 20, "balanced", SLICES, slots=4).experts.policy == "lru"
 
 
 def test_one_layer_missing_several_pays_one_latency_where_several_layers_pay_one_each(moe):

@@ -116,6 +116,25 @@ def test_locality_figures_on_traces_whose_answer_is_known():
     assert simulate(same, 4, "lru").misses == k  # counted from cold, the first token misses
 
 
+def test_slots_by_layer_go_where_a_layer_touches_more_experts():
+    """Layer 0 cycles through 4 experts, layer 1 through 8, 2 a token: with 6 slots a layer in all, LRU hits every
+    use after the first cycle with 4 and 8 (and none with fewer), so the split is 4 and 8; replayed on the second
+    half it misses only the first cycles where 6 each miss layer 1's every use."""
+    n_tokens, k = 400, 2
+    ids = np.array([[(np.arange(k) + k * t) % 4, (np.arange(k) + k * t) % 8] for t in range(n_tokens)])
+    trace = Trace(2, 8, k, ids)
+    assert locality.slots_by_layer(trace, 6, step=2) == [4, 8]
+    split = locality.split(trace, 6, step=2)
+    uses = 200 * k * 2  # the second half's, both layers; each cache starts cold there
+    assert split.lru == pytest.approx((200 * k - 4) / uses)  # layer 0 hits at 6, layer 1's cycle of 8 never
+    assert split.by_layer == pytest.approx(1 - (4 + 8) / uses)
+    assert split.pool == pytest.approx(1 - (4 + 8) / uses)  # one pool of 12 holds both cycles too
+    # nothing gains (every token the same 2 experts): the room spread evenly, a layer at most every expert
+    same = Trace(2, 8, k, np.tile(np.arange(k), (n_tokens, 2, 1)))
+    assert locality.slots_by_layer(same, 6, step=2) == [6, 6]
+    assert locality.slots_by_layer(same, 8, step=2) == [8, 8]
+
+
 def test_cli_writes_text_routing_and_refuses_it_for_a_dense_shape(tmp_path):
     out = tmp_path / "oss.gguf"
     r = cli("models", "synth", "gpt-oss-tiny", "--routing", "text", "-o", str(out), check=True)

@@ -39,20 +39,21 @@ def expert_whole(r) -> bool | None:
 
 
 def expert_misses(model):
-    """A mixture of experts' misses by slots (replay.Misses) from its measured routing (`profile --experts`),
-    replayed through the runtime's LRU cache; None where none was measured (the planner then assumes uniform
-    routing, which random weights do not show: they send nearly every token to the same few experts)."""
+    """A mixture of experts' misses by slots and policy (replay.Misses) from its measured routing (`profile
+    --experts`), replayed through the runtime's cache under that policy (lru, lfu); None where none was measured (the
+    planner then assumes uniform routing, which random weights do not show: they send nearly every token to the same
+    few experts)."""
     if not model.n_expert:
         return None
     trace = tracing.cached(model)
     if trace is None:
         return None
-    misses: dict[int, replay.Misses] = {}
+    misses: dict[tuple[int, str], replay.Misses] = {}
 
-    def replayed(slots: int) -> replay.Misses:
-        if slots not in misses:
-            misses[slots] = replay.Misses.replayed(replay.simulate(trace, slots, "lru"))
-        return misses[slots]
+    def replayed(slots: int, policy: str = "lru") -> replay.Misses:
+        if (slots, policy) not in misses:
+            misses[slots, policy] = replay.Misses.replayed(replay.simulate(trace, slots, policy))
+        return misses[slots, policy]
 
     return replayed
 

@@ -190,6 +190,7 @@ def settings_for(w, plan, limit: int | None, model, tree: bool) -> tuple[engine.
         tensor_split=plan.placement.tensor_split if plan and plan.placement else (),
         window=(w.window if w.window is not None else plan.window) if plan else 0,
         expert_slots=plan.experts.slots if plan and plan.experts else -1,
+        expert_policy=plan.experts.policy if plan and plan.experts else "lru",
         expert_whole=bool(plan and plan.experts and plan.experts.whole),
         expert_ahead=bool(plan and plan.experts and plan.experts.ahead),
         io_threads=w.io_threads or (plan.io_threads if plan else IO_THREADS), verbose=w.verbose)

@@ -207,7 +207,8 @@ def plan(out_dir, tune_best, tune_rounds, max_prompt, prompt_len, as_json, **par
         click.echo(f"  experts: streamed whole by the window ({x.bytes_per_token / MiB:.0f} MiB a token): "
                    f"predicted faster than reading the routed ones")
     elif x is not None:
-        click.echo(f"  experts: {x.slots} of {model.n_expert} cached a layer ({m.experts / MiB:.0f} MiB with a "
+        out = {"lru": "least recently used out", "lfu": "least frequently used out"}.get(x.policy, x.policy)
+        click.echo(f"  experts: {x.slots} of {model.n_expert} cached a layer, {out} ({m.experts / MiB:.0f} MiB with a "
                    f"batch's{' and the next layer read ahead' if x.ahead else ''}), predicted hit rate "
                    f"{x.hit_rate:.0%}, {x.bytes_per_token / MiB:.1f} MiB read a token")
     click.echo(f"  predicted {p.predicted_tok_s:.2f} tok/s; roofline {p.roofline_tok_s:.2f} tok/s")

@@ -22,7 +22,9 @@ from flexoffload.gguf.model import Model
 from flexoffload.plan import replay
 from flexoffload.plan.costmodel import Profile
 
-MissesBySlots = Callable[[int], replay.Misses]  # slots per layer -> what a cache of that many misses, by layer
+# (slots per layer, policy) -> what a cache of that many misses under that policy, by layer
+MissesBySlots = Callable[[int, str], replay.Misses]
+POLICIES = ("lru", "lfu")  # the runtime's (patch 0018); a plan sizes the cache by the first, then asks the others
 
 
 def dense(model: Model) -> Model:
@@ -55,12 +57,14 @@ def uniform(model: Model) -> MissesBySlots:
     """Routing spread evenly over the experts (replay.Misses.uniform), where no routing trace was measured. Not
     what random weights do: they send nearly every token to the same few experts (docs/experts.md), so a plan
     predicts fewer hits than such a model gets."""
-    return lambda slots: replay.Misses.uniform(model, slots)
+    return lambda slots, policy="lru": replay.Misses.uniform(model, slots)  # any policy alike
 
 
-def cost(model: Model, slots: int, profile: Profile, misses: MissesBySlots, io_threads: int) -> replay.Cost:
-    """What experts add to a decoded token's time with `slots` a layer: replay.cost of the misses `misses` gives."""
-    return replay.cost(model, slots, misses(slots), profile, io_threads)
+def cost(model: Model, slots: int, profile: Profile, misses: MissesBySlots, io_threads: int,
+         policy: str = "lru") -> replay.Cost:
+    """What experts add to a decoded token's time with `slots` a layer under `policy`: replay.cost of the misses
+    `misses` gives."""
+    return replay.cost(model, slots, misses(slots, policy), profile, io_threads)
 
 
 def candidates(model: Model) -> list[int]:

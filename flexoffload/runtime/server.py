@@ -155,6 +155,7 @@ def environment(settings: Settings, speculation: Speculation | None = None, tile
                    LLAMA_STREAM_CHUNK_BYTES=str(settings.chunk_bytes),
                    # a mixture of experts' cache (patch 0018; stream.configure_experts): -1, all it read
                    LLAMA_STREAM_EXPERT_SLOTS=str(settings.expert_slots),
+                   LLAMA_STREAM_EXPERT_POLICY=settings.expert_policy,
                    LLAMA_STREAM_EXPERT_WHOLE=str(int(settings.expert_whole)),
                    LLAMA_STREAM_EXPERT_AHEAD=str(int(settings.expert_ahead)))
     if settings.rpc:  # as an RPC run's child (native.spin_briefly): spinning threads share the cores

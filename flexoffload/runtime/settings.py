@@ -25,6 +25,7 @@ class Settings:
     io_threads: int = IO_THREADS
     chunk_bytes: int = CHUNK_BYTES  # streamed tensors larger than this are read in row chunks
     expert_slots: int = -1  # a mixture of experts: experts each layer keeps between tokens (-1: all it read)
+    expert_policy: str = "lru"  # which of them it gives back first: least recently (lru) or frequently (lfu) used
     expert_whole: bool = False  # its expert tensors stream whole, by the window, not by expert
     expert_ahead: bool = False  # a prompt batch naming most of a layer's experts reads the next layer's ahead
     n_outputs: int = 1  # logits rows one forward pass returns (a speculation tree needs one per node)
