@@ -171,3 +171,26 @@ def test_a_prompt_batch_reads_the_next_layer_s_experts_ahead_and_keeps_what_it_w
     assert a["expert_ahead"] >= (m.n_layer - 1) * m.n_expert and b["expert_ahead"] == 0
     assert a["expert_bytes_read"] >= b["expert_bytes_read"]
     assert b["expert_cached_peak"] <= a["expert_cached_peak"] <= prepared.plan.memory.experts + room
+
+
+def test_free_drafters_on_a_moe_streamed_by_expert_keep_its_greedy_text(tmp_path, private_cache):
+    """Free drafters (n-grams, Token Recycling) asked for by name on a MoE streamed by expert: a tree's tokens each
+    route to their own experts, the pass reads their union, and the tokens are the target's alone; trees were
+    drafted and verified. `--spec-type auto` does not speculate on a MoE (drafting.free_pays): it runs the target
+    alone."""
+    path = _write("qwen3moe-tiny", tmp_path)
+    prepared, m = _by_expert(path, 4, prompt="a b c a b c a b c a b c")
+    # a node's cost (a share of the profile's compute a token) is weighed against the measured pass, so with the
+    # profile's 20 ms a token an idle machine's fast passes would take no node: compute set 100 times faster
+    set_profile(path, 2, 100 * TOK_S, disk_bw=m.weight_bytes * TOK_S / 4)
+    flags = ["-m", str(path), "--mem", str(prepared.limit), *SETTING, "--strategy", "stream", "--expert-reads",
+             "routed", "--expert-slots", "4", "-p", "a b c a b c a b c a b c", "-n", "24", "--temp", "0", "--json"]
+    alone = json.loads(cli("run", *flags, "--spec-type", "none", check=True).stdout)
+    tree = json.loads(cli("run", *flags, "--spec-type", "ngram-simple,recycle", check=True).stdout)
+    assert tree["tokens"] == alone["tokens"] and len(set(alone["text"].split())) >= 2
+    assert tree["spec"]["types"] == ["ngram-simple", "recycle"]
+    t = tree["timings"]
+    assert tree["strategy"] == "stream+tree" and t["n_verify"] <= tree["n_gen"], t
+    assert t["n_drafted"] > 0 and t["expert_uses"] > 0, t
+    auto = json.loads(cli("run", *flags, "--spec-type", "auto", check=True).stdout)
+    assert auto["tokens"] == alone["tokens"] and "spec" not in auto
