@@ -155,7 +155,7 @@ class Experts:
     predicts it hits and reads), or (whole) its expert tensors streamed whole by the window like dense tensors."""
 
     slots: int  # experts each layer keeps between tokens (0 where whole)
-    policy: str  # the cache's eviction policy (lru)
+    policy: str  # which cached expert the cache gives back first: lru or lfu (expertcache.POLICIES)
     hit_rate: float  # predicted share of a token's routed experts found cached (0 where whole)
     bytes_per_token: float  # expert bytes read a token: the predicted misses, or (whole) the streamed expert tensors
     seconds: float  # what the experts add to a decoded token's time

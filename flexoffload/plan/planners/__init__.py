@@ -144,11 +144,11 @@ def _moe_plan(model: Model, budget: int, policy: str, profile: Profile, window: 
     seconds, p, c, experts = best
     # the cache sized under LRU, then each other policy at that size (one replay each, not one a slot count): on
     # the 30B-A3B shape's calibration text LFU hit 74 % of a quarter's uses against LRU's 66 % (results/moe_locality)
-    policy = "lru"
+    evicts = expertcache.POLICIES[0]  # not `policy`: that is the dense tensors' placement
     for other in expertcache.POLICIES[1:]:
         o = expertcache.cost(model, c.slots, profile, misses, io_threads, other)
         if o.seconds < c.seconds:
-            seconds, c, policy = seconds - c.seconds + o.seconds, o, other
+            seconds, c, evicts = seconds - c.seconds + o.seconds, o, other
     expert_names = {t.name for t in model.tensors if t.kind == "expert"}
     streamed = set(p.streamed) | expert_names
     # reading ahead in a prompt (patch 0022) is not planned (Experts.ahead stays False): on the 30B-A3B shape at
@@ -157,7 +157,7 @@ def _moe_plan(model: Model, budget: int, policy: str, profile: Profile, window: 
         p, model=str(model.path), budget=budget, memory=replace(p.memory, experts=experts),
         streamed=tuple(t.name for t in model.tensors if t.name in streamed),
         predicted_tok_s=1.0 / seconds,
-        experts=Experts(slots=c.slots, policy=policy, hit_rate=c.hit_rate, bytes_per_token=c.bytes_per_token,
+        experts=Experts(slots=c.slots, policy=evicts, hit_rate=c.hit_rate, bytes_per_token=c.bytes_per_token,
                         seconds=c.seconds))
 
 
