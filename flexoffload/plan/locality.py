@@ -108,10 +108,8 @@ def split(trace: Trace, slots: int, step: int = 0) -> Split:
     first, second = (Trace(trace.n_layer, trace.n_expert, trace.n_used, ids, trace.source)
                      for ids in (trace.ids[:half], trace.ids[half:]))
     alloc = slots_by_layer(first, slots, step)
-    requests = misses = 0
-    for il, a in enumerate(alloc):
-        r = simulate(second, a, "lru")
-        requests += r.requests / trace.n_layer
-        misses += r.misses_by_layer[il]
-    return Split(slots, simulate(second, slots, "lru").hit_rate, 1 - misses / requests if requests else 1.0,
+    lru = {c: simulate(second, c, "lru") for c in {*alloc, slots}}  # one replay a count, not one a layer
+    requests = sum(lru[a].requests / trace.n_layer for a in alloc)
+    misses = sum(lru[a].misses_by_layer[il] for il, a in enumerate(alloc))
+    return Split(slots, lru[slots].hit_rate, 1 - misses / requests if requests else 1.0,
                  simulate(second, slots, "lru", pool=True).hit_rate, simulate(second, slots, "lfu").hit_rate)
