@@ -94,9 +94,10 @@ def write_gguf(path: Path, arch: str, tensors: bool = True) -> Path:
     return path
 
 
-def tail_logits_apart(e, toks: list[int], n: int) -> float:
-    """How far the last token's logits from one pass over toks[n:] (the tiled K-quant kernels off, as a verification
-    pass runs) lie from those of one-token passes over the same tokens; toks[:n] decoded first in passes of 64."""
+def tail_logits_apart(e, toks: list[int], n: int, tiled: int = 0) -> float:
+    """How far the last token's logits from one pass over toks[n:] (the batch kernels off, as a verification pass
+    runs: native.set_tiled_matmul's mode `tiled`) lie from those of one-token passes over the same tokens; toks[:n]
+    decoded first in passes of 64."""
     import numpy as np
 
     from flexoffload.runtime import speculate
@@ -115,7 +116,7 @@ def tail_logits_apart(e, toks: list[int], n: int) -> float:
     prefix()
     batch = speculate._Batch(lib, len(toks) - n, 1)
     batch.fill([(t, n + i, [0], True) for i, t in enumerate(toks[n:])])
-    native.set_tiled_matmul(0)
+    native.set_tiled_matmul(tiled)
     try:
         assert lib.llama_decode(e.ctx, batch.batch) == 0
     finally:
