@@ -411,7 +411,7 @@ def wide_heads(tmp_path_factory):
 
 
 @pytest.mark.parametrize("kinds", [dict(n_ubatch=4), dict(flash_attn="on", type_k="q8_0", type_v="q8_0"),
-                                   dict(n_ubatch=8, type_k="q4_0", type_v="q4_0")])
+                                   dict(n_ubatch=8, type_k="q4_0", type_v="q4_0"), dict(flash_attn="off")])
 def test_greedy_free_drafters_with_ubatch_and_kv_types_equal_the_target_alone(wide_heads, kinds):
     """Streamed: each verification is one pass over the streamed weights, whatever the ubatch (the tree stays
     within it); the prompt takes a pass per ubatch, as the target alone's."""

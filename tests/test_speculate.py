@@ -323,6 +323,8 @@ CONTEXT_KINDS = {
     "q8_0 cache": dict(type_k="q8_0", type_v="q8_0"),
     "q4_0 cache, ubatch 8": dict(type_k="q4_0", type_v="q4_0", n_ubatch=8),
     "q8_0 K, bf16 V": dict(type_k="q8_0", type_v="bf16"),
+    "flash attention off": dict(flash_attn="off"),
+    "flash attention off, ubatch 4": dict(flash_attn="off", n_ubatch=4),
 }
 
 
@@ -350,19 +352,22 @@ def test_the_engines_of_a_speculation_take_the_context_settings(wide_heads):
 
 
 def test_speculation_refuses_what_it_cannot_verify_bit_exactly(wide_heads):
-    """Without flash attention a pass of several tokens rounds otherwise than one-token passes (see the integration
-    test below): refused before loading by check_settings, and by the Speculator where llama.cpp's auto turned it
-    off."""
+    """Without flash attention a server's pass of several tokens rounds otherwise than one-token passes (see the
+    integration test below): -fa off with --rpc refused before loading by check_settings, and by the Speculator
+    where llama.cpp's auto turned it off (a layer's attention on another device). On this CPU -fa off verifies."""
     from flexoffload import FlexoffloadError
 
     target = wide_heads[0]
     with pytest.raises(FlexoffloadError, match="flash attention"):
-        specsettings.check_settings(engine.Settings(flash_attn="off"))
+        specsettings.check_settings(engine.Settings(flash_attn="off", rpc=("127.0.0.1:50052",)))
     with pytest.raises(FlexoffloadError, match="-ub at least 2"):
         specsettings.check_settings(engine.Settings(n_ubatch=1))
     specsettings.check_settings(engine.Settings(flash_attn="auto", n_ubatch=2, type_k="q4_0", type_v="q4_0"))
+    specsettings.check_settings(engine.Settings(flash_attn="off"))
     with engine.Engine(target, speculate.target_settings(engine.Settings(n_ctx=256, flash_attn="off"))) as t:
         assert not t.flash_attention
+        speculate.Speculator(t, None, Options(), drafters.make(["ngram-simple"], 384))  # asked for: verifies
+        t.settings = replace(t.settings, flash_attn="auto")  # as if auto had turned it off
         with pytest.raises(FlexoffloadError, match="flash attention"):
             speculate.Speculator(t, None, Options(), drafters.make(["ngram-simple"], 384))
     with engine.Engine(target, engine.Settings(n_ctx=256)) as t:
@@ -370,24 +375,24 @@ def test_speculation_refuses_what_it_cannot_verify_bit_exactly(wide_heads):
 
 
 @pytest.mark.integration
-def test_real_verification_is_bit_exact_with_flash_attention_and_not_without(real_model):
-    """The structural reason -fa off stays refused: on the 1.5B, a token's logits from a pass of 2 tokens (per-row
-    kernels) equal a one-token pass's with flash attention (f16 or q8_0 cache, any ubatch), and differ without it
-    (its K*Q and V*softmax matmuls take llamafile's sgemm from 2 rows, vec_dot for 1); with -ub 1 they agree again
-    (every row its own pass), which is no tree."""
+def test_real_verification_is_bit_exact_with_and_without_flash_attention(real_model):
+    """On the 1.5B, a token's logits from a pass of 2 tokens (per-row kernels) equal a one-token pass's with flash
+    attention (f16 or q8_0 cache, any ubatch) and without it (its K*Q and V*softmax matmuls row by row: patch
+    0023 turns llamafile's sgemm off with the tiled kernels); with sgemm on (the switch as upstream has it) the pass
+    without flash attention rounds otherwise (what a server's process does: -fa off with --rpc stays refused)."""
 
-    def logits_apart(**kinds) -> float:
+    def logits_apart(tiled: int = 0, **kinds) -> float:
         settings = speculate.target_settings(engine.Settings(n_ctx=512, n_batch=64, temp=0.0, strategy="mmap",
                                                              **kinds))
         with engine.Engine(real_model, settings) as e:
             toks = e.tokenize(PROMPTS[0])
             toks += e.generate(PROMPTS[0], 8).tokens
-            return tail_logits_apart(e, toks, len(toks) - 2)
+            return tail_logits_apart(e, toks, len(toks) - 2, tiled)
 
     assert logits_apart() == 0
     assert logits_apart(type_k="q8_0", type_v="q8_0", n_ubatch=2) == 0
-    assert logits_apart(flash_attn="off") > 0
-    assert logits_apart(flash_attn="off", n_ubatch=1) == 0
+    assert logits_apart(flash_attn="off") == 0
+    assert logits_apart(-1, flash_attn="off") > 0
 
 
 @pytest.mark.integration

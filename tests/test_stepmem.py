@@ -131,6 +131,24 @@ def test_a_long_prompt_gets_its_ubatch_chosen_and_the_same_tokens(qwen2, monkeyp
     assert chosen["tokens"] == same["tokens"]
 
 
+def test_a_speculating_run_reads_a_long_prompt_in_the_target_alones_ubatches(qwen2, monkeypatch):
+    """A tree's prompt is read in the ubatches the target alone chose (a pass's rows decide its kernels, so a prompt
+    read otherwise rounds otherwise: on the MoE test bed a near tie flipped), and its greedy tokens are the alone
+    run's."""
+    from flexoffload.api import preparing
+
+    monkeypatch.setattr(preparing, "LONG_PROMPT", 32)
+    prompt = " ".join(f"w{i}" for i in range(150))
+    request = api.Request(model=str(qwen2.path), prompt=prompt, n_predict=12, temp=0, n_ctx=1024, n_batch=512,
+                          mem="60M", strategy="stream", spec_type="none")
+    alone = api.prepare(request)
+    tree = api.prepare(dataclasses.replace(request, spec_type="ngram-simple"))
+    assert list(tree.free) == ["ngram-simple"] and 0 < alone.settings.n_ubatch < 150  # 150 words: more tokens
+    assert tree.settings.n_ubatch == alone.settings.n_ubatch and tree.settings.n_batch == 512
+    assert any("as the target alone would" in n for n in tree.notes)
+    assert api.run_prepared(tree)["tokens"] == api.run_prepared(alone)["tokens"]
+
+
 def test_mmap_is_checked_with_the_kv_types_given(tmp_path):
     """mmap's minimum under -ctk/-ctv counts the cache at those types: a budget just under f16's minimum takes a q8_0
     cache."""

@@ -164,6 +164,19 @@ def _long_prompt(w, model, limit, n_prompt: int, notes: list[str]):
     return replace(w, n_ubatch=u, n_batch=max(w.n_batch, u), flash_attn="on")
 
 
+def _tree_prompt(w, model, limit, n_prompt: int, notes: list[str]):
+    """A speculating run's long prompt read in the ubatches the target alone would read it in, where the tree's plan
+    has room for them (at most -b, the ubatch its compute buffers were sized for). A pass's rows decide its kernels
+    (the tiled ones from 8 rows of a weight, or of one expert in a MoE), so the prompt's cache, and a near tie after
+    it, round by its ubatches: read alike, the tree's greedy text is the alone run's."""
+    alone = _long_prompt(w, model, limit, n_prompt, [])
+    if alone is w or alone.n_ubatch > w.n_batch:
+        return w
+    notes.append(f"flexoffload: a prompt of {n_prompt} tokens: prefill in ubatches of {alone.n_ubatch} (-ub), as "
+                 "the target alone would")
+    return replace(w, n_ubatch=alone.n_ubatch, flash_attn=alone.flash_attn)
+
+
 def settings_for(w, plan, limit: int | None, model, tree: bool) -> tuple[engine.Settings, float]:
     """The runtime's settings for the decided values and plan: what `run` loads by and `serve` hands llama-server
     as flags; and decode's predicted speed where weights move in after the prompt (0: the plan's)."""
@@ -232,6 +245,8 @@ def prepare(request, n_seq_max: int = 1, server: bool = False) -> Prepared:
         plan = plan_for_run(model, w, limit, n_seq_max, n_seq_max)
     else:
         plan = chosen.plan
+        if not server:
+            w = _tree_prompt(w, model, limit, n_prompt, notes)
     mmap_plan = None
     if plan is not None and plan.policy == tuning.MMAP:  # plan --tune measured mmap faster at this budget, or plan
         notes.append(tuning.mmap_note(plan) if plan.tuning else "flexoffload: the plan runs upstream mmap at this "

@@ -23,17 +23,20 @@ FREE_NODES_MAX = 32  # and where the cost of a node is known (chosen by it): the
 # switch from here: it takes the tiled K-quant kernels from 8 tokens a pass, which round otherwise than one-token
 # passes (the 1.5B's logits up to 0.6 apart with 4 layers there). Passes of 7 nodes stay on its per-row kernels.
 RPC_NODES = 7
-FLASH_ATTN_OFF = ("speculation verifies its trees bit-exactly only with flash attention: without it attention is two "
-                  "matmuls that llama.cpp computes with llamafile's sgemm for a pass of 2 or more tokens and with "
-                  "vec_dot for one, which round differently (the 1.5B's logits up to 0.6 apart)")
+FLASH_ATTN_OFF = ("speculation verifies its trees bit-exactly without flash attention only on this machine's CPU: "
+                  "on another device (an RPC server) attention is two matmuls computed with other kernels for a "
+                  "pass of 2 or more tokens than for one, which round differently (the 1.5B's logits up to 0.6 "
+                  "apart)")
 
 
 def check_settings(settings) -> None:
     """Refuse settings under which verifying a tree could not give the target's own output: flash attention off
-    (FLASH_ATTN_OFF; llama.cpp's auto may turn it off too, known once the context is made: the Speculator refuses
-    that), or a ubatch of one token (a tree needs two or more a pass)."""
-    if settings.flash_attn == "off":
-        raise FlexoffloadError(f"{FLASH_ATTN_OFF}: not with -fa off")
+    where another device computes attention (FLASH_ATTN_OFF; llama.cpp's auto turns it off where a layer's attention
+    would run on another device, known once the context is made: the Speculator refuses that), or a ubatch of one
+    token (a tree needs two or more a pass). On the CPU a pass computes attention's matmuls row by row as a
+    one-token pass does (patch 0023: sgemm follows the switch verification turns off)."""
+    if settings.flash_attn == "off" and settings.rpc:
+        raise FlexoffloadError(f"{FLASH_ATTN_OFF}: not with -fa off and --rpc")
     if settings.n_ubatch == 1 or settings.n_batch < 2:
         raise FlexoffloadError("speculation verifies trees of 2 tokens or more a pass: -b and -ub at least 2")
 

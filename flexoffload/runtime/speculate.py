@@ -30,8 +30,9 @@ message decoded into both caches on top of the history they keep, the reply gene
 
 Bit-exact verification needs every kernel of a tree pass to compute a row as a one-token pass does. That holds for
 any -ub, -b and KV cache type (-ctk, -ctv: flash attention's per-row path takes quantized K and V) with flash
-attention on, the tree kept within one ubatch; not without flash attention (check_settings), and on RPC servers only
-below the tiled kernels' 8 rows (RPC_NODES; both specsettings.py's).
+attention on or off (off: its matmuls row by row, patch 0023), the tree kept within one ubatch; without flash
+attention not where another device computes attention (check_settings), and on RPC servers only below the tiled
+kernels' 8 rows (RPC_NODES; both specsettings.py's).
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ class Speculator:
         if draft is None and not self.drafters:
             raise FlexoffloadError("speculation needs a draft model or a free drafter")
         check_settings(target.settings)
-        if not target.flash_attention:  # -fa auto, and llama.cpp turned it off
+        if not target.flash_attention and target.settings.flash_attn != "off":  # auto, off for another device
             raise FlexoffloadError(f"{FLASH_ATTN_OFF}; llama.cpp turned it off (a layer's attention would run on "
                                    "another device than the layer, where tensors are placed): give -fa on")
         self.lib = target.lib
