@@ -251,7 +251,8 @@ def test_precision_errors_are_one_line(wide, cache):
             (["run", "--precision", "auto", "-p", "x"], "under --mem")):
         r = cli(*args[:1], "-m", str(wide.path), *args[1:])
         lines = r.stderr.strip().splitlines()
-        errors = [line for line in lines if not line.startswith("flexoffload: measuring")]
+        # notices ("flexoffload: measuring ...", and the profile's warning where the machine was busy) are not errors
+        errors = [line for line in lines if not line.startswith("flexoffload: ")]
         assert r.returncode != 0 and message in r.stderr and len(errors) == 1, r.stderr
         assert len(lines) == 1 or message == "the fastest is", r.stderr  # measured only where it must be
 
