@@ -104,6 +104,8 @@ class Split:
 
 
 def split(trace: Trace, slots: int, step: int = 0) -> Split:
+    """The cache of `slots` a layer and its other shapes (Split), each chosen on the trace's first half and
+    replayed on its second."""
     half = trace.n_tokens // 2
     first, second = (Trace(trace.n_layer, trace.n_expert, trace.n_used, ids, trace.source)
                      for ids in (trace.ids[:half], trace.ids[half:]))
