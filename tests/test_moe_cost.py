@@ -172,7 +172,7 @@ def test_the_profile_times_bursts_of_a_layer_s_expert_slices(moe):
 
 
 def test_a_moe_s_profile_is_kept_apart_from_profiles_without_burst_reads(moe, tiny_model):
-    assert profiler._cache_path(moe, 2).name.endswith("-v6.json")
+    assert profiler._cache_path(moe, 2).name.endswith("-v7.json")
     assert profiler._cache_path(load(tiny_model), 2).name.endswith("-v5.json")
     old = Profile.from_dict({k: v for k, v in SLICES.to_dict().items() if not k.startswith("expert_")})
     assert old.expert_read_bw == 0 and old.expert_read_seconds(1000, 1, 4) == BIG.expert_read_seconds(1000, 1, 4)

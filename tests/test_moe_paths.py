@@ -148,6 +148,27 @@ def test_the_expert_cache_peak_of_a_run_is_its_own_in_a_process_that_ran_others(
     assert second["expert_cached_peak"] == first["expert_cached_peak"] <= prepared.plan.memory.experts
 
 
+def test_a_layer_s_slots_hold_its_cache_and_a_prompt_batch_s_experts_are_given_back_after_it(tmp_path,
+                                                                                              private_cache):
+    """Routed as text, a prompt batch names most of each layer's experts, read into the layer's slots (patch 0025);
+    after the layer the cache keeps `slots` of them, moved down to the array's first slots, and the pages above are
+    given back. So at the run's end the memory the runtime holds grows with the slots kept, not with the prompt's
+    experts: two more slots a layer hold two more experts a layer (each in whole pages), the same tokens. Before
+    the slots are given back, both held about all of the prompt's experts alike."""
+    shape = dataclasses.replace(synth.SHAPES["qwen3moe-tiny"], n_layer=3, **STREAMED["qwen3moe-tiny"])
+    path = synth.write(tmp_path / "moe.gguf", shape, seed=SEED["qwen3moe-tiny"], routing="text")
+    prompt = " ".join(f"word{i} thing{i * 7}" for i in range(12))
+    prepared, m = _by_expert(path, 4, prompt=prompt)
+    fewer = dataclasses.replace(prepared, settings=dataclasses.replace(prepared.settings, expert_slots=2))
+    four, two = (api.run_in_cgroup(p, None, timeout=300) for p in (prepared, fewer))
+    assert four["tokens"] == two["tokens"] and four["n_prompt"] >= 24
+    unit = sum(x.n_bytes for x in m.tensors if x.kind == "expert") // m.n_expert // m.n_layer
+    slot = expertcache.slot_bytes(m)[0]
+    held = four["timings"]["stream_committed"] - two["timings"]["stream_committed"]
+    assert m.n_layer * 2 * unit <= held <= m.n_layer * 2 * slot
+    assert four["timings"]["expert_cached_peak"] >= m.n_expert // 2 * unit  # the prompt's batch held more
+
+
 def test_a_prompt_batch_reads_the_next_layer_s_experts_ahead_and_keeps_what_it_would_have_kept(tmp_path,
                                                                                              private_cache):
     """Routed as text (a token's experts follow the token), a prompt of a few dozen tokens names most experts of

@@ -170,9 +170,9 @@ def expert_reads(model: Model, io_threads: int = IO_THREADS, seconds: float = 3.
     layers and experts, bursts of burst_sizes' units in turn for about `seconds`, each burst's bytes and time kept,
     a line fitted through them (fit_bursts).
 
-    The reads go where the runtime's do: into a tensor's reserved range, plain anonymous memory (4 KiB pages, no
-    huge pages), whose pages an evicted expert gives back (MADV_DONTNEED), so a miss faults fresh pages in; here each
-    burst's pages are given back after it, untimed. Measured on the synthetic llama-moe-1b: docs/moe.md."""
+    The reads go where the runtime's do (patch 0025): into an expert's slot, memory a layer keeps from one miss to
+    the next, backed by huge pages where the kernel gives them (huge_buffer); each thread's reads one after another
+    in its own buffer. Bursts into fresh 4 KiB pages, as before the slots, ran at about half the speed (docs/moe.md)."""
     from concurrent.futures import ThreadPoolExecutor
 
     layers = sorted({t.layer for t in model.tensors if t.kind == "expert" and t.layer is not None})
@@ -184,8 +184,7 @@ def expert_reads(model: Model, io_threads: int = IO_THREADS, seconds: float = 3.
     try:
         largest = max(n for il in layers for _, n in unit_requests(model, il, 0)) + ALIGN
         most = -(-max(len(unit_requests(model, il, 0)) for il in layers) * sizes[-1] // io_threads)  # a thread's
-        buffers = [mmap.mmap(-1, largest * most, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-                   for _ in range(io_threads)]
+        buffers = [huge_buffer(largest * most) for _ in range(io_threads)]
 
         def burst(units: int) -> tuple[int, float]:
             il = rng.choice(layers)
@@ -194,9 +193,8 @@ def expert_reads(model: Model, io_threads: int = IO_THREADS, seconds: float = 3.
             requests = [u[j] for j in range(len(per_unit[0])) for u in per_unit]  # by tensor, as queued
 
             def reader(k: int) -> int:
-                # each read into pages of its own, as each slice has its place in its tensor's range
                 n_bytes, at = 0, 0
-                view = memoryview(buffers[k])
+                view = buffers[k]
                 for off, n in requests[k::io_threads]:
                     n_bytes += os.preadv(fd, [view[at:at + n]], off)
                     at += n
@@ -205,8 +203,6 @@ def expert_reads(model: Model, io_threads: int = IO_THREADS, seconds: float = 3.
             t0 = time.perf_counter()
             n_bytes = sum(pool.map(reader, range(io_threads)))
             seconds = time.perf_counter() - t0
-            for b in buffers:  # given back, as an evicted expert's pages are
-                b.madvise(mmap.MADV_DONTNEED)
             return n_bytes, seconds
 
         bursts = []
@@ -277,8 +273,9 @@ def compute_speed(path: str | os.PathLike, n_threads: int, n_tokens: int = 24) -
 def _cache_path(model: Model, n_threads: int) -> Path:
     # v2: the disk read as the runtime reads it (pass_requests), not one cold sequential read; v3: into huge pages;
     # v4: a tied output's matmul counted in the calibration; v5: a MoE's routed experts counted; v6: a MoE's expert
-    # reads timed in bursts (a dense model's profile has no new field: it stays v5)
-    version = 6 if model.n_expert else 5
+    # reads timed in bursts (a dense model's profile has no new field: it stays v5); v7: those bursts into huge pages
+    # kept, as the runtime's expert slots (patch 0025)
+    version = 7 if model.n_expert else 5
     return cache_dir() / "profiles" / f"{file_key(model.path)}-t{n_threads}-v{version}.json"
 
 

@@ -159,6 +159,7 @@ class Stats:
     n_rereads: int
     bytes_committed_peak: int
     layer_stall_s: list[float]
+    bytes_committed: int = 0  # now: the read pool, tensors read into their own ranges, the experts' slots
 
 
 def stats(model=None, layers: bool = True) -> Stats:
@@ -180,7 +181,8 @@ def stats(model=None, layers: bool = True) -> Stats:
         layer_stall_s.append(ls.t_stall_s)
     return Stats(bytes_read=s.bytes_read, n_reads=s.n_reads, n_direct=s.n_direct, t_read_s=s.t_read_s,
                  t_stall_s=s.t_stall_s, n_passes=s.n_passes, n_rereads=s.n_rereads,
-                 bytes_committed_peak=s.bytes_committed_peak, layer_stall_s=layer_stall_s)
+                 bytes_committed_peak=s.bytes_committed_peak, layer_stall_s=layer_stall_s,
+                 bytes_committed=s.bytes_committed)
 
 
 def make_resident(model, names) -> int:

@@ -36,20 +36,36 @@ def expert_layers(model: Model) -> list[int]:
     return sorted({t.layer for t in model.tensors if t.kind == "expert"})
 
 
+PAGE = 4096
+HUGE_PAGE = 2 << 20
+
+
+def slot_bytes(model: Model) -> list[int]:
+    """Bytes of an expert's slot, by layer (patch 0025): each of its *_exps tensors' slices in whole pages, from the
+    page its first byte is on (a slice's place in the file need not start one)."""
+    out = [0] * model.n_layer
+    for t in model.tensors:
+        if t.kind == "expert" and t.layer is not None:
+            out[t.layer] += -(-(t.n_bytes // model.n_expert) // PAGE) * PAGE + PAGE
+    return out
+
+
 def memory(model: Model, slots: int, ubatch: int | None = None) -> int:
     """What the experts take at most: every layer's slots, and the layer computing holding the experts its batch
     uses beyond them (a decoded token: its routed experts; a prompt ubatch of `ubatch` tokens: up to all of them,
-    None: all), given back after the layer."""
+    None: all), given back after the layer. A layer's slots are one array whose last huge page may be partly
+    used."""
     k, n = model.n_expert_used, model.n_expert
     used = n if ubatch is None else min(n, ubatch * k)
-    units = [replay.unit_bytes(model)[il] for il in expert_layers(model)]
-    return sum(slots * u for u in units) + max((max(used - slots, 0) * u for u in units), default=0)
+    units = [slot_bytes(model)[il] for il in expert_layers(model)]
+    return (sum(slots * u + (HUGE_PAGE if slots else 0) for u in units)
+            + max((max(used - slots, 0) * u + HUGE_PAGE for u in units), default=0))
 
 
 def ahead(model: Model, slots: int) -> int:
     """What reading ahead adds to memory(): while a prompt batch's layer computes, the next layer holds all of
     its experts beside its slots (patch 0022); 0 where a single layer has experts."""
-    units = [replay.unit_bytes(model)[il] for il in expert_layers(model)]
+    units = [slot_bytes(model)[il] for il in expert_layers(model)]
     return max((max(model.n_expert - slots, 0) * u for u in units), default=0) if len(units) > 1 else 0
 
 

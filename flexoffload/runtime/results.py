@@ -76,6 +76,7 @@ def stream_timings(elapsed_s: float, model) -> dict:
     timings = {"stream_bytes_read": st.bytes_read, "stream_reads": st.n_reads, "stream_direct": st.n_direct,
                "stream_stall_s": st.t_stall_s, "stream_read_s": st.t_read_s, "stream_passes": st.n_passes,
                "stream_rereads": st.n_rereads, "stream_committed_peak": st.bytes_committed_peak,
+               "stream_committed": st.bytes_committed,
                "stream_read_gb_s": st.bytes_read / max(elapsed_s, 1e-9) / 1e9}
     experts = stream.expert_stats()  # of the process: a draft model is dense
     if experts["n_uses"]:
