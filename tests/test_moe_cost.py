@@ -236,3 +236,19 @@ def test_expert_slots_are_refused_with_expert_tensors_read_whole(wide):
         make_plan(wide, wide.weight_bytes * 3 // 4, "balanced", SLICES, slots=2, whole=True)
     # slots given: the routed experts are read, whatever is faster
     assert not make_plan(wide, wide.weight_bytes * 3 // 4, "balanced", SLOW_SLICES, slots=0).experts.whole
+
+
+def test_the_plan_gives_the_experts_the_memory_its_dense_part_leaves(tmp_path):
+    """64 experts a layer: the slot counts the planner tries go in steps of 5 (4, 9, 14, ...). At a budget that holds
+    the dense weights resident and 12, 20 or 30 slots a layer (and a prompt batch's experts beyond them), the plan
+    takes exactly that many, not the step below it: the memory the dense part leaves goes to slots."""
+    shape = dataclasses.replace(synth.SHAPES["qwen3moe-tiny"], n_layer=8, n_embd=256, n_expert=64, n_expert_used=4,
+                                n_ff_expert=512)
+    m = load(synth.write(tmp_path / "wide.gguf", shape))
+    assert 12 not in expertcache.candidates(m) and 20 not in expertcache.candidates(m)
+    roomy = make_plan(m, 1 << 30, "balanced", SLICES, slots=0)
+    dense = roomy.memory.total - roomy.memory.experts
+    for slots in (12, 20, 30):
+        plan = make_plan(m, dense + expertcache.memory(m, slots) + 1000, "balanced", SLICES)
+        assert plan.experts.slots == slots and plan.memory.experts == expertcache.memory(m, slots)
+        assert not set(plan.streamed) - {t.name for t in m.tensors if t.kind == "expert"}  # the dense part resident
