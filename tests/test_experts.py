@@ -58,13 +58,23 @@ def test_no_slots_reads_every_routed_expert_and_all_slots_only_the_first_use():
 def test_a_batch_reads_the_union_of_its_tokens_experts_pinned_then_trimmed():
     # tokens [0 1] [1 2] | [2 3] [0 1], 2 slots, steps of 2 tokens:
     # step 1 uses 0, 1, 2 (all read, all kept while the layer computes: 3 units in 2 slots), then LRU trims 0 (used
-    # first: ids in ascending order); step 2 uses 0, 1, 2, 3: 1 and 2 hit, 0 and 3 are read
+    # first: one token routed to it, as to 2, and the lower id); step 2 uses 0, 1, 2, 3: 1 and 2 hit, 0 and 3 read
     trace = Trace(1, 4, 2, np.array([[0, 1], [1, 2], [2, 3], [0, 1]]).reshape(4, 1, 2))
     r = simulate(trace, 2, "lru", batch=2)
     assert (r.n_steps, r.requests, r.misses) == (2, 7, 5)
     assert r.misses_per_step == 2.5 and r.misses_per_token == 5 / 4
     # one token a step: 0 1 | 1 2 | 2 3 | 0 1: 1 and 2 hit
     assert simulate(trace, 2, "lru").misses == 6
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_a_prompt_leaves_the_cache_the_experts_it_routed_most_to(policy):
+    # a prompt of 4 tokens, one pass: 0 and 1 chosen by three tokens each, 2 and 3 by one; its pass uses all four
+    # (2 slots: held while the layer computes, then trimmed). Within the pass those more tokens chose count as used
+    # later (patch 0026), so 0 and 1 stay, not the higher ids: the next two tokens, routed to 0 and 1, hit
+    trace = Trace(1, 4, 2, np.array([[0, 3], [0, 1], [1, 0], [2, 1], [0, 1], [1, 0]]).reshape(6, 1, 2))
+    r = simulate(trace, 2, policy, first=4)
+    assert (r.requests, r.hits) == (4, 4)
 
 
 def test_layers_have_caches_of_their_own_and_one_lru_pool_thrashes_on_the_cycle_of_layers():

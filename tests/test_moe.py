@@ -88,18 +88,25 @@ def test_a_moe_streamed_by_expert_gives_mmap_s_tokens(name, slots, tmp_path):
         assert cold.hits > 0  # the bound is not vacuous: random weights route most tokens alike (docs/experts.md)
 
 
+# random routers, and routing by the token (a prompt of repeated words: some experts chosen by many of its tokens)
+ROUTINGS = {"random": ("llama-moe-tiny", "random", 3, "a b c d e f g"),
+            "text": ("qwen3moe-tiny", "text", 4, "the cat the dog the cat the end of it the")}
+
+
+@pytest.mark.parametrize("routing", ROUTINGS)
 @pytest.mark.parametrize("policy", expertcache.POLICIES)
-def test_the_runtime_s_cache_hits_what_its_policy_s_replay_hits(policy, tmp_path):
-    """From an empty cache, the prompt one pass (it hits nothing), then a token a pass: the runtime's cache of 3
+def test_the_runtime_s_cache_hits_what_its_policy_s_replay_hits(policy, routing, tmp_path):
+    """From an empty cache, the prompt one pass (it hits nothing), then a token a pass: the runtime's cache of a few
     slots a layer under each policy (Settings.expert_policy, as a plan sets it) finds exactly what the replay of
     that policy finds on the run's own routing, so a plan that chooses the policy by its replay chooses what the
-    runtime does. The tokens are the same under either."""
-    name = "llama-moe-tiny"
-    path = synth.write(tmp_path / f"{name}.gguf", dataclasses.replace(synth.SHAPES[name], **STREAMED[name]))
+    runtime does; and where a prompt's tokens route unevenly, it keeps the experts the prompt routed most to, as
+    the replay does (patch 0026). The tokens are the same under either."""
+    name, routed, slots, prompt = ROUTINGS[routing]
+    path = synth.write(tmp_path / f"{name}.gguf", dataclasses.replace(synth.SHAPES[name], **STREAMED[name]),
+                       routing=routed)
     m = load(path)
-    slots = 3
     mem = run_minimum(m, probe.measure(m, 256, 32)) + 2 * (expertcache.memory(m, slots) - expertcache.memory(m, 0))
-    request = api.Request(model=str(path), prompt="a b c d e f g", n_predict=12, temp=0, n_ctx=256, n_batch=32,
+    request = api.Request(model=str(path), prompt=prompt, n_predict=12, temp=0, n_ctx=256, n_batch=32,
                           mem=str(mem), strategy="stream", expert_slots=slots, expert_reads="routed")
     prepared = api.prepare(request)
     prepared = dataclasses.replace(prepared, settings=dataclasses.replace(prepared.settings, expert_policy=policy))

@@ -6,7 +6,9 @@ is measured by measure/tracing.py.
 The cache being predicted is the runtime's (patch 0018): a unit is one expert of one layer, its slices of all that
 layer's *_exps tensors (nb[2] bytes of each). Each layer keeps `slots` units between steps (or, the pool variant, all
 layers share slots * n_layer). A step is one ubatch: a decoded token, or a prompt batch of B tokens. At each layer a
-step uses the union of its tokens' experts, in ascending id order; those not cached are read (misses) and all of
+step uses the union of its tokens' experts, those fewer of its tokens route to first (ties in ascending id order:
+a decoded token's in id order), so that among a batch's experts the most routed count as the most recently used;
+those not cached are read (misses) and all of
 them stay while the layer computes, so the layer may hold more than `slots`. A unit to give back is chosen by the
 policy among those the step did not use, and only if none is left among the step's own:
 
@@ -127,14 +129,22 @@ class Replay:
 
 
 def _steps(trace: Trace, batch: int, first: int = 0) -> list[list[list[int]]]:
-    """Per step, per layer: the experts it uses, each once, in ascending id order (the runtime's order of use); the
-    first `first` tokens one step (a prompt's pass), then steps of `batch` tokens."""
+    """Per step, per layer: the experts it uses, each once, in the runtime's order of use (patch 0026): by the
+    tokens of the step routed to each, fewest first, ties in ascending id order; the first `first` tokens one step
+    (a prompt's pass), then steps of `batch` tokens."""
     ids = trace.ids.tolist()
     bounds = ([0] if first else []) + list(range(first, len(ids), batch)) + [len(ids)]
     steps = []
     for start, end in zip(bounds, bounds[1:]):
         tokens = ids[start:end]
-        steps.append([sorted({e for token in tokens for e in token[layer]}) for layer in range(trace.n_layer)])
+        step = []
+        for layer in range(trace.n_layer):
+            rows: dict[int, int] = {}
+            for token in tokens:
+                for e in token[layer]:
+                    rows[e] = rows.get(e, 0) + 1
+            step.append(sorted(rows, key=lambda e: (rows[e], e)))
+        steps.append(step)
     return steps
 
 
