@@ -6,11 +6,11 @@ is measured by measure/tracing.py.
 The cache being predicted is the runtime's (patch 0018): a unit is one expert of one layer, its slices of all that
 layer's *_exps tensors (nb[2] bytes of each). Each layer keeps `slots` units between steps (or, the pool variant, all
 layers share slots * n_layer). A step is one ubatch: a decoded token, or a prompt batch of B tokens. At each layer a
-step uses the union of its tokens' experts, those fewer of its tokens route to first (ties in ascending id order:
-a decoded token's in id order), so that among a batch's experts the most routed count as the most recently used;
-those not cached are read (misses) and all of
-them stay while the layer computes, so the layer may hold more than `slots`. A unit to give back is chosen by the
-policy among those the step did not use, and only if none is left among the step's own:
+step uses the union of its tokens' experts, those fewer of its tokens route to first (ties, and a decoded token's,
+in ascending id order), so that of a batch's experts the most routed count as the most recently used; those not
+cached are read (misses) and all of them stay while the layer computes, so the layer may hold more than `slots`. A
+unit to give back is chosen by the policy among those the step did not use, and only if none is left among the
+step's own:
 
 - "lru": the least recently used.
 - "lfu": the least frequently used, counting the steps that used the expert since the trace began (the count is

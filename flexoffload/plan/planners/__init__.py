@@ -144,7 +144,7 @@ def _moe_plan(model: Model, budget: int, policy: str, profile: Profile, window: 
     seconds, p, c, experts = best
     if slots is None:
         # the dense plan may leave part of its share unused (all it would keep resident is): slots take it, where
-        # the candidates' steps (a tenth of the experts) left it
+        # the candidates' steps (about a twelfth of the experts) left it
         spare, more = p.budget - p.memory.total, c.slots
         while more < model.n_expert and expertcache.memory(model, more + 1) - experts <= spare:
             more += 1
