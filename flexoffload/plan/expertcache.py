@@ -53,13 +53,17 @@ def slot_bytes(model: Model) -> list[int]:
 def memory(model: Model, slots: int, ubatch: int | None = None) -> int:
     """What the experts take at most: every layer's slots, and the layer computing holding the experts its batch
     uses beyond them (a decoded token: its routed experts; a prompt ubatch of `ubatch` tokens: up to all of them,
-    None: all), given back after the layer. A layer's slots are one array whose last huge page may be partly
-    used."""
+    None: all), given back after the layer. A layer's slots are one array with room for every expert, from a huge
+    page boundary: the huge page its last slot in use ends in may be committed whole, where the array holds it."""
     k, n = model.n_expert_used, model.n_expert
     used = n if ubatch is None else min(n, ubatch * k)
     units = [slot_bytes(model)[il] for il in expert_layers(model)]
-    return (sum(slots * u + (HUGE_PAGE if slots else 0) for u in units)
-            + max((max(used - slots, 0) * u + HUGE_PAGE for u in units), default=0))
+
+    def rounding(held: int, u: int) -> int:
+        return min(HUGE_PAGE, (n - held) * u) if held else 0
+
+    return (sum(slots * u + rounding(slots, u) for u in units)
+            + max((max(used - slots, 0) * u + rounding(max(used, slots), u) for u in units), default=0))
 
 
 def ahead(model: Model, slots: int) -> int:
