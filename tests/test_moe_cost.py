@@ -252,3 +252,20 @@ def test_the_plan_gives_the_experts_the_memory_its_dense_part_leaves(tmp_path):
         plan = make_plan(m, dense + expertcache.memory(m, slots) + 1000, "balanced", SLICES)
         assert plan.experts.slots == slots and plan.memory.experts == expertcache.memory(m, slots)
         assert not set(plan.streamed) - {t.name for t in m.tensors if t.kind == "expert"}  # the dense part resident
+
+
+def test_the_experts_memory_counts_a_layer_s_last_huge_page_where_its_slot_array_holds_one(moe, tmp_path):
+    """A layer's slots are one array with room for all its experts, from a huge page boundary (patch 0025): the huge
+    page its last slot in use ends in may be committed whole, but only where the array reaches past it. The tiny
+    model's array is under 2 MiB (no rounding: a prompt's batch holds every expert of one layer beside the others'
+    slots); a 64-expert model's is 15 MiB (a huge page a layer beside its slots, none for the batch's full layer)."""
+    u, n = expertcache.slot_bytes(moe)[0], moe.n_expert
+    assert n * u < expertcache.HUGE_PAGE
+    assert expertcache.memory(moe, 2) == moe.n_layer * n * u + (n - 2) * u
+    shape = dataclasses.replace(synth.SHAPES["qwen3moe-tiny"], n_layer=8, n_embd=256, n_expert=64, n_expert_used=4,
+                                n_ff_expert=512)
+    wide = load(synth.write(tmp_path / "wide.gguf", shape))
+    u, n = expertcache.slot_bytes(wide)[0], wide.n_expert
+    assert (n - 12) * u > expertcache.HUGE_PAGE
+    assert expertcache.memory(wide, 12) == 8 * (12 * u + expertcache.HUGE_PAGE) + (n - 12) * u
+    assert expertcache.memory(wide, 0) == (n * u)  # no slots kept: the batch's layer alone, every expert, whole
