@@ -57,7 +57,8 @@ def memory(model: Model, slots: int, ubatch: int | None = None) -> int:
     page boundary: the huge page its last slot in use ends in may be committed whole, where the array holds it."""
     k, n = model.n_expert_used, model.n_expert
     used = n if ubatch is None else min(n, ubatch * k)
-    units = [slot_bytes(model)[il] for il in expert_layers(model)]
+    sizes = slot_bytes(model)  # once, not once a layer
+    units = [sizes[il] for il in expert_layers(model)]
 
     def rounding(held: int, u: int) -> int:
         return min(HUGE_PAGE, (n - held) * u) if held else 0
@@ -69,7 +70,8 @@ def memory(model: Model, slots: int, ubatch: int | None = None) -> int:
 def ahead(model: Model, slots: int) -> int:
     """What reading ahead adds to memory(): while a prompt batch's layer computes, the next layer holds all of
     its experts beside its slots (patch 0022); 0 where a single layer has experts."""
-    units = [slot_bytes(model)[il] for il in expert_layers(model)]
+    sizes = slot_bytes(model)  # once, not once a layer
+    units = [sizes[il] for il in expert_layers(model)]
     return max((max(model.n_expert - slots, 0) * u for u in units), default=0) if len(units) > 1 else 0
 
 
