@@ -15,7 +15,7 @@ from flexoffload.defaults import cache_dir
 from flexoffload.gguf import synth
 from flexoffload.gguf.model import load
 from flexoffload.measure import profiler
-from flexoffload.plan import expertcache, replay
+from flexoffload.plan import expertcache, plans, replay
 from flexoffload.plan.costmodel import Profile
 from flexoffload.plan.replay import Misses, Trace, simulate
 from flexoffload.plan.planners import make_plan
@@ -269,3 +269,31 @@ def test_the_experts_memory_counts_a_layer_s_last_huge_page_where_its_slot_array
     assert (n - 12) * u > expertcache.HUGE_PAGE
     assert expertcache.memory(wide, 12) == 8 * (12 * u + expertcache.HUGE_PAGE) + (n - 12) * u
     assert expertcache.memory(wide, 0) == (n * u)  # no slots kept: the batch's layer alone, every expert, whole
+
+
+def test_a_prompt_pass_reads_the_experts_its_tokens_route_to_that_the_cache_lacks(tmp_path):
+    """A prefill pass of many tokens names nearly every expert of every layer (4 of 64 a token: 256 tokens miss an
+    expert with probability (15/16)^256), so it reads all those its cache lacks, one burst a layer; a pass of one
+    token reads about its own misses. Two passes read them twice: a prompt of 500 tokens in ubatches of 256 takes a
+    round of every layer's reads more than in one of 512. Expert tensors streamed whole are streamed tensors, not
+    counted here."""
+    from flexoffload.plan import prefill
+
+    shape = dataclasses.replace(synth.SHAPES["qwen3moe-tiny"], n_layer=8, n_embd=256, n_expert=64, n_expert_used=4,
+                                n_ff_expert=512)
+    m = load(synth.write(tmp_path / "wide.gguf", shape))
+    plan = make_plan(m, 1 << 30, "balanced", SLICES, slots=12)
+    sizes, reads = replay.unit_bytes(m), replay.unit_reads(m)
+    full = prefill.expert_read_seconds(m, plan, 256, SLICES)
+    assert full == pytest.approx(sum(SLICES.expert_read_seconds(52 * b, 52 * r, plan.io_threads)
+                                     for b, r in zip(sizes, reads) if r), rel=1e-3)
+    one = prefill.expert_read_seconds(m, plan, 1, SLICES)
+    assert one == pytest.approx(sum(SLICES.expert_read_seconds(int(4 * 52 / 64 * b), math.ceil(4 * 52 / 64 * r),
+                                                               plan.io_threads) for b, r in zip(sizes, reads) if r))
+    assert prefill.expert_read_seconds(m, plan, 512, SLICES) == pytest.approx(full, rel=1e-3)
+    rate = {256: 1.0, 512: 2.0}  # compute by the token: the ubatch changes only the reads
+    assert (prefill.ttft(m, plan, 500, 256, SLICES, rate) - prefill.ttft(m, plan, 500, 512, SLICES, rate)
+            == pytest.approx(prefill.expert_read_seconds(m, plan, 244, SLICES)
+                             + (plans.streamed_bytes(plan, m) - plan.experts.bytes_per_token) / SLICES.disk_bw))
+    whole = dataclasses.replace(plan, experts=dataclasses.replace(plan.experts, whole=True))
+    assert prefill.expert_read_seconds(m, whole, 256, SLICES) == 0

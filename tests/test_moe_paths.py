@@ -150,11 +150,12 @@ def test_the_expert_cache_peak_of_a_run_is_its_own_in_a_process_that_ran_others(
 
 def test_a_layer_s_slots_hold_its_cache_and_a_prompt_batch_s_experts_are_given_back_after_it(tmp_path,
                                                                                               private_cache):
-    """Routed as text, a prompt batch names most of each layer's experts, read into the layer's slots (patch 0025);
-    after the layer the cache keeps `slots` of them, moved down to the array's first slots, and the pages above are
-    given back. So at the run's end the memory the runtime holds grows with the slots kept, not with the prompt's
+    """Routed as text, a prompt batch names most of each layer's experts, read into the layer's slots (patch 0025),
+    those beyond its cache into the spill array the layers share in turn (patch 0027); after the layer the cache
+    keeps `slots` of them, moved down to the array's first slots, and after the pass the spill's pages are given
+    back. So at the run's end the memory the runtime holds grows with the slots kept, not with the prompt's
     experts: two more slots a layer hold two more experts a layer (each in whole pages), the same tokens. Before
-    the slots are given back, both held about all of the prompt's experts alike."""
+    the slots are given back, both held about all of the prompt's experts alike; the smaller cache spilled more."""
     shape = dataclasses.replace(synth.SHAPES["qwen3moe-tiny"], n_layer=3, **STREAMED["qwen3moe-tiny"])
     path = synth.write(tmp_path / "moe.gguf", shape, seed=SEED["qwen3moe-tiny"], routing="text")
     prompt = " ".join(f"word{i} thing{i * 7}" for i in range(12))
@@ -167,6 +168,8 @@ def test_a_layer_s_slots_hold_its_cache_and_a_prompt_batch_s_experts_are_given_b
     held = four["timings"]["stream_committed"] - two["timings"]["stream_committed"]
     assert m.n_layer * 2 * unit <= held <= m.n_layer * 2 * slot
     assert four["timings"]["expert_cached_peak"] >= m.n_expert // 2 * unit  # the prompt's batch held more
+    assert four["timings"]["expert_spilled"] >= m.n_layer  # every layer's prompt batch went past its cache
+    assert two["timings"]["expert_spilled"] > four["timings"]["expert_spilled"]
 
 
 def test_a_prompt_batch_reads_the_next_layer_s_experts_ahead_and_keeps_what_it_would_have_kept(tmp_path,

@@ -68,15 +68,16 @@ def rates(model: Model, n_threads: int, remeasure: bool = False, up_to: int | No
 def choose(model: Model, budget: int, n_prompt: int, n_predict: int, n_ctx: int, policy: str, profile: Profile,
            n_threads: int, io_threads: int, n_outputs: int = 1, type_k: str = "f16",
            type_v: str = "f16") -> tuple[int, Plan, float]:
-    """The ubatch (of UBATCHES, at most the prompt) whose plan the cost model predicts the run fastest with, that
-    plan, and its predicted time to first token."""
+    """The ubatch (of UBATCHES, up to the least that holds the prompt in one pass) whose plan the cost model predicts
+    the run fastest with, that plan, and its predicted time to first token."""
     from flexoffload.plan.planners import make_plan
 
     rate = rates(model, n_threads, up_to=n_prompt)  # the loop below stops at the first ubatch holding the prompt
-    best = None
+    best, held = None, False
     for u in sorted(UBATCHES):
-        if u > max(n_prompt, min(UBATCHES)) and best is not None:
-            break  # a ubatch past the prompt only takes memory
+        if held and best is not None:
+            break  # the ubatch before held the prompt: a larger one only takes memory
+        held = u >= n_prompt
         setting = Setting(n_ctx, min(u, n_ctx), "on", type_k, type_v, n_outputs=n_outputs)
         try:
             plan = make_plan(model, budget, policy, profile, io_threads=io_threads,

@@ -45,7 +45,7 @@ class ExpertsConfig(ctypes.Structure):
 class ExpertsStats(ctypes.Structure):
     _fields_ = [("n_uses", ctypes.c_uint64), ("n_hits", ctypes.c_uint64), ("n_reads", ctypes.c_uint64),
                 ("bytes_read", ctypes.c_uint64), ("n_evictions", ctypes.c_uint64), ("bytes_cached", ctypes.c_int64),
-                ("bytes_cached_peak", ctypes.c_int64), ("n_ahead", ctypes.c_uint64)]
+                ("bytes_cached_peak", ctypes.c_int64), ("n_ahead", ctypes.c_uint64), ("n_spilled", ctypes.c_uint64)]
 
 
 EXPERT_POLICIES = ("lru", "lfu")  # enum ggml_cpu_streamed_experts_policy, in order
@@ -135,7 +135,8 @@ def configure_experts(slots: int, policy: str = "lru", whole: bool = False, ahea
 
 def expert_stats() -> dict:
     """The expert cache's counters since the last reset, for the process: uses (routed experts, per layer and
-    pass), hits, slices read and their bytes, evictions, bytes cached now and at peak, experts read ahead."""
+    pass), hits, slices read and their bytes, evictions, bytes cached now and at peak, experts read ahead, and
+    experts a batch held beyond its layer's cache (in the spill array the layers share, patch 0027)."""
     s = ExpertsStats()
     _cpu_lib().ggml_backend_cpu_streamed_experts_get_stats(None, ctypes.byref(s))
     return {name: getattr(s, name) for name, _ in ExpertsStats._fields_}

@@ -20,6 +20,8 @@ modelled: the prediction is close at 2048 tokens, 2.3x short at 8192 and 12x at 
 
 from __future__ import annotations
 
+import math
+
 from flexoffload.gguf.model import Model
 from flexoffload.plan.costmodel import Profile
 from flexoffload.plan.plans import Plan, streamed_bytes
@@ -62,12 +64,32 @@ def after_prefill(model: Model, plan: Plan, room: int, profile: Profile) -> tupl
 
 def pass_seconds(model: Model, plan: Plan, n_tokens: int, profile: Profile, rate: dict[int, float]) -> float:
     """A prefill pass of n_tokens under the plan: its compute (measured with every weight in memory) plus its reads
-    of the streamed tensors. Not overlapped: measured at 0.3x and 0.5x on the 1.5B, prefill passes took about
-    their compute plus their reads whatever the window (results/prefill_chosen_qwen1.5b.csv), where decode's reads
-    hide behind its compute; why is still open. A pipeline simulation with the window predicted 1.5-2x too fast."""
+    of the streamed tensors and of the routed experts its tokens miss (expert_read_seconds). Not overlapped:
+    measured at 0.3x and 0.5x on the 1.5B, prefill passes took about their compute plus their reads whatever the
+    window (results/prefill_chosen_qwen1.5b.csv), where decode's reads hide behind its compute; why is still open.
+    A pipeline simulation with the window predicted 1.5-2x too fast."""
     u = min((x for x in rate if x >= n_tokens), default=max(rate))
     compute = rate[u] * n_tokens / u
-    return compute + streamed_bytes(plan, model) / profile.disk_bw
+    routed = plan.experts.bytes_per_token if plan.experts is not None else 0  # a decoded token's misses: not a pass's
+    return (compute + (streamed_bytes(plan, model) - routed) / profile.disk_bw
+            + expert_read_seconds(model, plan, n_tokens, profile))
+
+
+def expert_read_seconds(model: Model, plan: Plan, n_tokens: int, profile: Profile) -> float:
+    """A pass's reads of routed experts: each layer reads the experts its n_tokens route to that its cache lacks,
+    one burst after its router (profile.expert_read_seconds). Routing taken as uniform (a token misses an expert
+    with probability 1 - k/n), so a ubatch of 256 tokens names all 128 experts of Qwen3-30B-A3B's layers (text
+    routing named about 96 % of them, docs/moe.md): every pass reads them again, which is what a larger ubatch
+    saves. The cache holds slots/n of them."""
+    from flexoffload.plan.replay import unit_bytes, unit_reads
+
+    e = plan.experts
+    if e is None or e.whole or not model.n_expert:
+        return 0.0  # expert tensors streamed whole are streamed tensors: streamed_bytes counts them
+    k, n = model.n_expert_used, model.n_expert
+    missed = n * (1 - (1 - k / n) ** n_tokens) * (1 - min(e.slots, n) / n)
+    return sum(profile.expert_read_seconds(int(missed * b), math.ceil(missed * r), plan.io_threads)
+               for b, r in zip(unit_bytes(model), unit_reads(model)) if r)
 
 
 def ttft(model: Model, plan: Plan, n_prompt: int, n_ubatch: int, profile: Profile, rate: dict[int, float]) -> float:
