@@ -26,6 +26,7 @@ from flexoffload.native.devices import parse_endpoints
 from flexoffload.plan import levels, mixed
 from flexoffload.runtime.drafters import DRAFTERS, SPEC_TYPES
 from flexoffload.runtime.engine import KV_TYPES
+from flexoffload.runtime.specsettings import FLASH_ATTN_OFF
 from flexoffload.runtime.spectree import MAX_NODES
 
 PLACEMENTS = ("auto", "oato", "layers", "split")  # placers.solve's policies
@@ -325,10 +326,7 @@ RULES: tuple[Rule, ...] = (
          "a level is its own grouped file run through the expert-selective path: each of a tree's tokens reads its "
          "own groups (measured not to pay on the 1.5B, docs/neurons.md); with --rpc, --plan or -cnv it is not built"),
     Rule(lambda r: (bool(r.draft) or _free_given(r)) and r.flash_attn == "off" and bool(r.rpc),
-         "speculation with --rpc verifies its trees with flash attention: not with -fa off",
-         "without flash attention a server computes attention's matmuls for a pass of 2 or more tokens with "
-         "llamafile's sgemm and for one token with vec_dot, which round differently (the 1.5B's logits 0.62 "
-         "apart); this process turns sgemm off for its own passes (patch 0023), not a server's"),
+         "speculation with --rpc verifies its trees with flash attention: not with -fa off", FLASH_ATTN_OFF),
     Rule(lambda r: (bool(r.draft) or _free_given(r)) and (r.n_ubatch == 1 or r.n_batch < 2),
          "speculation (-md, --spec-type) verifies trees of 2 tokens or more a pass: -b and -ub at least 2",
          "a tree is verified in one forward pass"),

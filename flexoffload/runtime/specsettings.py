@@ -23,10 +23,11 @@ FREE_NODES_MAX = 32  # and where the cost of a node is known (chosen by it): the
 # switch from here: it takes the tiled K-quant kernels from 8 tokens a pass, which round otherwise than one-token
 # passes (the 1.5B's logits up to 0.6 apart with 4 layers there). Passes of 7 nodes stay on its per-row kernels.
 RPC_NODES = 7
-FLASH_ATTN_OFF = ("speculation verifies its trees bit-exactly without flash attention only on this machine's CPU: "
-                  "on another device (an RPC server) attention is two matmuls computed with other kernels for a "
-                  "pass of 2 or more tokens than for one, which round differently (the 1.5B's logits up to 0.6 "
-                  "apart)")
+# why a tree is verified with flash attention where a server computes attention (the options' rule and the checks
+# here say it alike)
+FLASH_ATTN_OFF = ("without flash attention a server computes attention's matmuls for a pass of 2 or more tokens with "
+                  "llamafile's sgemm and for one token with vec_dot, which round differently (the 1.5B's logits 0.62 "
+                  "apart); this process turns sgemm off for its own passes (patch 0023), not a server's")
 
 
 def check_settings(settings) -> None:
@@ -36,7 +37,8 @@ def check_settings(settings) -> None:
     token (a tree needs two or more a pass). On the CPU a pass computes attention's matmuls row by row as a
     one-token pass does (patch 0023: sgemm follows the switch verification turns off)."""
     if settings.flash_attn == "off" and settings.rpc:
-        raise FlexoffloadError(f"{FLASH_ATTN_OFF}: not with -fa off and --rpc")
+        raise FlexoffloadError(f"speculation with --rpc verifies its trees with flash attention: not with -fa off "
+                               f"({FLASH_ATTN_OFF})")
     if settings.n_ubatch == 1 or settings.n_batch < 2:
         raise FlexoffloadError("speculation verifies trees of 2 tokens or more a pass: -b and -ub at least 2")
 

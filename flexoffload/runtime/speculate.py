@@ -67,8 +67,10 @@ class Speculator:
             raise FlexoffloadError("speculation needs a draft model or a free drafter")
         check_settings(target.settings)
         if not target.flash_attention and target.settings.flash_attn != "off":  # auto, off for another device
-            raise FlexoffloadError(f"{FLASH_ATTN_OFF}; llama.cpp turned it off (a layer's attention would run on "
-                                   "another device than the layer, where tensors are placed): give -fa on")
+            raise FlexoffloadError("speculation verifies its trees with flash attention where another device "
+                                   "computes attention; llama.cpp turned it off (a layer's attention would run on "
+                                   f"another device than the layer, where tensors are placed): give -fa on "
+                                   f"({FLASH_ATTN_OFF})")
         self.lib = target.lib
         # a tree larger than the ubatch would be verified in several passes over the streamed weights, and one larger
         # than the batch cannot be decoded
