@@ -29,8 +29,8 @@ from flexoffload.defaults import CHUNK_BYTES, IO_THREADS, cache_dir, file_key, w
 from flexoffload.gguf.model import Model
 from flexoffload.measure import about
 from flexoffload.plan.costmodel import MATMUL_KINDS, Profile, chunk_rows, row_bytes
+from flexoffload.plan.expertcache import HUGE_PAGE
 
-HUGE_PAGE = 2 << 20  # a transparent huge page on x86-64 and arm64 (4 KiB base pages)
 ALIGN = 4096  # O_DIRECT wants offset, length and buffer aligned to the logical block size; 4 KiB covers all
 
 log = logging.getLogger(__name__)

@@ -37,7 +37,7 @@ def expert_layers(model: Model) -> list[int]:
 
 
 PAGE = 4096
-HUGE_PAGE = 2 << 20
+HUGE_PAGE = 2 << 20  # a transparent huge page on x86-64 and arm64 (4 KiB base pages)
 
 
 def slot_bytes(model: Model) -> list[int]:
@@ -53,8 +53,9 @@ def slot_bytes(model: Model) -> list[int]:
 def memory(model: Model, slots: int, ubatch: int | None = None) -> int:
     """What the experts take at most: every layer's slots, and the layer computing holding the experts its batch
     uses beyond them (a decoded token: its routed experts; a prompt ubatch of `ubatch` tokens: up to all of them,
-    None: all), given back after the layer. A layer's slots are one array with room for every expert, from a huge
-    page boundary: the huge page its last slot in use ends in may be committed whole, where the array holds it."""
+    None: all), in the spill array the layers of a pass take in turn (patch 0027). A layer's slots are one array
+    with room for every expert, the spill one with room for all but a layer's slots, each from a huge page
+    boundary: the huge page the last slot in use ends in may be committed whole, where the array holds it."""
     k, n = model.n_expert_used, model.n_expert
     used = n if ubatch is None else min(n, ubatch * k)
     sizes = slot_bytes(model)  # once, not once a layer
