@@ -48,6 +48,18 @@ def test_lru_keeps_what_was_used_last_and_lfu_what_was_used_most():
     assert simulate(trace, 2, "lfu").hits == 3
 
 
+def test_lfu_counts_the_tokens_a_prompt_routed_to_an_expert():
+    """A prompt of 0 0 0 1 (one step), then 1 2 0 decoded through 2 slots (patch 0028), at the first of two layers.
+    LFU counts 0 three times and 1 once, so 2 evicts 1 (twice by then against three times) and 0 hits: 2 of 3.
+    Counting steps, 0 and 1 had one each, 1 two by then, and 2 evicted 0; LRU (the prompt's most routed, 0, used
+    last in it) evicts 0 too: 1 of 3. The last layer computes the prompt's last token alone (llama.cpp outputs
+    only its row): the prompt leaves it 1, so 1 hits and 2 and 0 find room."""
+    sequence = [0, 0, 0, 1, 1, 2, 0]
+    trace = Trace(2, 4, 1, np.array([[[e], [e]] for e in sequence]))
+    assert simulate(trace, 2, "lfu", first=4).misses_by_layer == (1, 2)
+    assert simulate(trace, 2, "lru", first=4).misses_by_layer == (2, 2)
+
+
 def test_no_slots_reads_every_routed_expert_and_all_slots_only_the_first_use():
     trace = uniform(np.random.default_rng(1), 50, 3, 8, 2)
     for policy in replay.POLICIES:
@@ -71,10 +83,11 @@ def test_a_batch_reads_the_union_of_its_tokens_experts_pinned_then_trimmed():
 def test_a_prompt_leaves_the_cache_the_experts_it_routed_most_to(policy):
     # a prompt of 4 tokens, one pass: 0 and 1 chosen by three tokens each, 2 and 3 by one; its pass uses all four
     # (2 slots: held while the layer computes, then trimmed). Within the pass those more tokens chose count as used
-    # later (patch 0026), so 0 and 1 stay, not the higher ids: the next two tokens, routed to 0 and 1, hit
-    trace = Trace(1, 4, 2, np.array([[0, 3], [0, 1], [1, 0], [2, 1], [0, 1], [1, 0]]).reshape(6, 1, 2))
-    r = simulate(trace, 2, policy, first=4)
-    assert (r.requests, r.hits) == (4, 4)
+    # later (patch 0026), so 0 and 1 stay, not the higher ids: the next two tokens, routed to 0 and 1, hit (at the
+    # first of two layers: the last computes the prompt's last token alone)
+    ids = np.array([[0, 3], [0, 1], [1, 0], [2, 1], [0, 1], [1, 0]]).reshape(6, 1, 2)
+    r = simulate(Trace(2, 4, 2, np.repeat(ids, 2, axis=1)), 2, policy, first=4)
+    assert r.requests == 8 and r.misses_by_layer[0] == 0
 
 
 def test_layers_have_caches_of_their_own_and_one_lru_pool_thrashes_on_the_cycle_of_layers():

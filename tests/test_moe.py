@@ -88,9 +88,11 @@ def test_a_moe_streamed_by_expert_gives_mmap_s_tokens(name, slots, tmp_path):
         assert cold.hits > 0  # the bound is not vacuous: random weights route most tokens alike (docs/experts.md)
 
 
-# random routers, and routing by the token (a prompt of repeated words: some experts chosen by many of its tokens)
+# random routers, and routing by the token (a prompt of repeated words: some experts chosen by many of its tokens;
+# "uneven": LFU counting a prompt's passes, not its tokens, hits 77 where the replay hits 76: patch 0028)
 ROUTINGS = {"random": ("llama-moe-tiny", "random", 3, "a b c d e f g"),
-            "text": ("qwen3moe-tiny", "text", 4, "the cat the dog the cat the end of it the")}
+            "text": ("qwen3moe-tiny", "text", 4, "the cat the dog the cat the end of it the"),
+            "uneven": ("qwen3moe-tiny", "text", 6, "dog cat a of is dog cat is dog dog dog dog")}
 
 
 @pytest.mark.parametrize("routing", ROUTINGS)
@@ -100,7 +102,8 @@ def test_the_runtime_s_cache_hits_what_its_policy_s_replay_hits(policy, routing,
     slots a layer under each policy (Settings.expert_policy, as a plan sets it) finds exactly what the replay of
     that policy finds on the run's own routing, so a plan that chooses the policy by its replay chooses what the
     runtime does; and where a prompt's tokens route unevenly, it keeps the experts the prompt routed most to, as
-    the replay does (patch 0026). The tokens are the same under either."""
+    the replay does (patch 0026), and LFU counts the tokens routed to each (0028). The tokens are the same under
+    either."""
     name, routed, slots, prompt = ROUTINGS[routing]
     path = synth.write(tmp_path / f"{name}.gguf", dataclasses.replace(synth.SHAPES[name], **STREAMED[name]),
                        routing=routed)
@@ -120,7 +123,7 @@ def test_the_runtime_s_cache_hits_what_its_policy_s_replay_hits(policy, routing,
     n = len(prompt_tokens)
     assert n == run["n_prompt"]
     # routed as the run routes: the prompt one ubatch, whose last layer computes its output row alone (llama.cpp's
-    # inp_out_ids), then a token a ubatch
+    # inp_out_ids: the replay counts that row alone there, and the prompt's uses below), then a token a ubatch
     ids = np.concatenate([tracing.measure(m, prompt_tokens, 2, n_ubatch=n).ids,
                           tracing.measure(m, prompt_tokens + run["tokens"][:-1], 2, n_ubatch=1).ids[n:]])
     ids[:n, -1] = ids[n - 1, -1]

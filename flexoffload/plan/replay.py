@@ -13,8 +13,9 @@ unit to give back is chosen by the policy among those the step did not use, and 
 step's own:
 
 - "lru": the least recently used.
-- "lfu": the least frequently used, counting the steps that used the expert since the trace began (the count is
-  kept when an expert is evicted); ties go to the least recently used.
+- "lfu": the least frequently used, counting the tokens routed to the expert since the trace began (a decoded
+  token's step one, a prompt's step as many of its tokens as chose it; the count is kept when an expert is
+  evicted); ties go to the least recently used.
 - "belady": the one whose next use is farthest away (never again: farthest of all), Belady's MIN. No policy that
   keeps what it reads while there is room misses less, so it is the bound the others are measured against.
 
@@ -128,10 +129,11 @@ class Replay:
                 "misses_per_token": self.misses_per_token, "misses_per_step": self.misses_per_step}
 
 
-def _steps(trace: Trace, batch: int, first: int = 0) -> list[list[list[int]]]:
-    """Per step, per layer: the experts it uses, each once, in the runtime's order of use (patch 0026): by the
-    tokens of the step routed to each, fewest first, ties in ascending id order; the first `first` tokens one step
-    (a prompt's pass), then steps of `batch` tokens."""
+def _steps(trace: Trace, batch: int, first: int = 0) -> list[list[list[tuple[int, int]]]]:
+    """Per step, per layer: the experts it uses, each once with the tokens of the step routed to it, in the
+    runtime's order of use (patch 0026): by those tokens, fewest first, ties in ascending id order; the first
+    `first` tokens one step (a prompt's pass, whose last layer computes its last token alone: llama.cpp keeps only
+    the rows it outputs there), then steps of `batch` tokens."""
     ids = trace.ids.tolist()
     bounds = ([0] if first else []) + list(range(first, len(ids), batch)) + [len(ids)]
     steps = []
@@ -140,10 +142,10 @@ def _steps(trace: Trace, batch: int, first: int = 0) -> list[list[list[int]]]:
         step = []
         for layer in range(trace.n_layer):
             rows: dict[int, int] = {}
-            for token in tokens:
+            for token in tokens[-1:] if first and start == 0 and layer == trace.n_layer - 1 else tokens:
                 for e in token[layer]:
                     rows[e] = rows.get(e, 0) + 1
-            step.append(sorted(rows, key=lambda e: (rows[e], e)))
+            step.append([(e, rows[e]) for e in sorted(rows, key=lambda e: (rows[e], e))])
         steps.append(step)
     return steps
 
@@ -174,12 +176,12 @@ def simulate(trace: Trace, slots: int, policy: str, batch: int = 1, pool: bool =
         for layer, units in enumerate(step):
             cache = caches[0 if pool else layer]
             missed = 0
-            for i, e in enumerate(units):
+            for i, (e, rows) in enumerate(units):
                 unit = (layer, e)
                 if unit not in cache:
                     missed += 1
-                cache.use(unit, upcoming[s][layer][i] if upcoming else None)
-            cache.trim({(layer, e) for e in units})
+                cache.use(unit, upcoming[s][layer][i] if upcoming else None, rows)
+            cache.trim({(layer, e) for e, _ in units})
             if counted:
                 requests += len(units)
                 misses[layer] += missed
@@ -189,15 +191,15 @@ def simulate(trace: Trace, slots: int, policy: str, batch: int = 1, pool: bool =
                   tuple(tuple(x) for x in by_misses))
 
 
-def _next_uses(steps: list[list[list[int]]], n_layer: int) -> list[list[list[float]]]:
+def _next_uses(steps: list[list[list[tuple[int, int]]]], n_layer: int) -> list[list[list[float]]]:
     """For each use, as steps lists them: the time of that unit's next use (never: infinity). Time is the visit
     index step * n_layer + layer, so it orders uses across layers too (the pool)."""
     out = [[[] for _ in range(n_layer)] for _ in steps]
     following: dict[tuple[int, int], float] = {}
     for s in range(len(steps) - 1, -1, -1):
         for layer in range(n_layer - 1, -1, -1):
-            out[s][layer] = [following.get((layer, e), _NEVER) for e in steps[s][layer]]
-            for e in steps[s][layer]:
+            out[s][layer] = [following.get((layer, e), _NEVER) for e, _ in steps[s][layer]]
+            for e, _ in steps[s][layer]:
                 following[(layer, e)] = s * n_layer + layer
     return out
 
@@ -208,27 +210,28 @@ class _Cache:
 
     Victims come off a heap with lazy deletion: every use pushes the unit's new key, and a popped key that is not the
     unit's current one is stale. Keys, smallest evicted first: LFU (count, order), Belady (-next use, order); LRU is
-    an ordered dict, least recent first. `order` counts uses, so later in a step is more recent."""
+    an ordered dict, least recent first. `order` counts uses, so later in a step is more recent. LFU's count is
+    the tokens routed to a unit since the start (patch 0028: a prompt's step counts as many as chose it)."""
 
     def __init__(self, policy: str, capacity: int):
         self.policy, self.capacity = policy, capacity
         self.recency: OrderedDict = OrderedDict()  # LRU: every cached unit, least recent first
         self.key: dict = {}  # LFU, Belady: every cached unit's current heap key
         self.heap: list = []
-        self.counts: dict = {}  # LFU: steps that used each unit since the start, cached or not
+        self.counts: dict = {}  # LFU: tokens routed to each unit since the start, cached or not
         self.order = 0
 
     def __contains__(self, unit) -> bool:
         return unit in (self.recency if self.policy == "lru" else self.key)
 
-    def use(self, unit, next_use: float | None) -> None:
+    def use(self, unit, next_use: float | None, rows: int = 1) -> None:
         self.order += 1
         if self.policy == "lru":
             self.recency[unit] = None
             self.recency.move_to_end(unit)
             return
         if self.policy == "lfu":
-            self.counts[unit] = self.counts.get(unit, 0) + 1
+            self.counts[unit] = self.counts.get(unit, 0) + rows
             key = (self.counts[unit], self.order)
         else:
             key = (-next_use, self.order)
