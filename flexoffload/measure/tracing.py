@@ -46,12 +46,17 @@ def calibration_text() -> str:
     return humaneval.solved(humaneval.TUNING)
 
 
-class _Recorder:
+class Recorder:
     """The eval callback: asks for each ffn_moe_topk node, and copies its ids out by layer."""
 
     def __init__(self, base):
         self.base = base
         self.ids: dict[int, np.ndarray] = {}
+        self.error: Exception | None = None  # raised after the decode: a callback cannot raise through C
+
+    def clear(self) -> None:
+        """Before each ubatch: what the last one copied out is taken."""
+        self.ids.clear()
 
     def __call__(self, t, ask, _user_data) -> bool:
         name = self.base.ggml_get_name(t)
@@ -74,45 +79,58 @@ def measure(model: Model, text: str | list[int], n_threads: int, max_tokens: int
     """Decode the text (or its tokens) in this process (mmap), its first max_tokens tokens, and record each one's
     experts in every layer."""
     from flexoffload import native
-    from flexoffload.runtime import engine
 
     if not model.n_expert:
         raise FlexoffloadError(f"{model.path.name} is not a mixture of experts: it has no experts to trace")
+    recorder = Recorder(native.graph_tensors())
+    rows = [ubatch_ids(model, recorder.ids, n)
+            for n in decode(model, text, n_threads, recorder, "tracing experts", max_tokens, n_ctx, n_ubatch)]
+    n_tokens = sum(len(r) for r in rows)
+    return Trace(model.n_layer, model.n_expert, model.n_expert_used, np.concatenate(rows),
+                 f"{source}, {n_tokens} tokens" if source else f"{n_tokens} tokens")
+
+
+def decode(model: Model, text: str | list[int], n_threads: int, recorder, what: str, max_tokens: int = MAX_TOKENS,
+           n_ctx: int = CTX, n_ubatch: int = UBATCH):
+    """Decode the text's first max_tokens tokens (or of its tokens) in this process (mmap), the recorder the eval
+    callback, as the module's docstring says (ubatches in order, context chunks, every token an output). Yields
+    each ubatch's token count after its decode, the recorder holding what it copied out (cleared before each);
+    an error the recorder kept (a callback cannot raise through C) is raised then."""
+    from flexoffload import native
+    from flexoffload.runtime import engine
+
     n_ctx = min(n_ctx, model.n_ctx_train or n_ctx)
     n_ubatch = min(n_ubatch, n_ctx)
     lib = native.llama_cpp()
-    recorder = _Recorder(native.graph_tensors())
     callback = lib.ggml_backend_sched_eval_callback(recorder)
     settings = engine.Settings(n_ctx=n_ctx, n_batch=n_ubatch, n_ubatch=n_ubatch, n_threads=n_threads,
                                strategy="mmap", temp=0, n_outputs=n_ubatch)
-    rows = []
     with engine.Engine(str(model.path), settings, eval_callback=callback) as eng:
         tokens = (eng.tokenize(text) if isinstance(text, str) else list(text))[:max_tokens]
         if not tokens:
-            raise FlexoffloadError("the text to trace the experts of has no tokens")
+            raise FlexoffloadError(f"the text has no tokens ({what})")
         memory = lib.llama_get_memory(eng.ctx)
-        progress = Progress(log, "tracing experts", len(tokens), "tokens")
+        progress = Progress(log, what, len(tokens), "tokens")
         outputs = (ctypes.c_int8 * n_ubatch)(*([1] * n_ubatch))  # every token an output: see the docstring
         for start in range(0, len(tokens), n_ctx):
             lib.llama_memory_clear(memory, True)
             chunk = tokens[start:start + n_ctx]
             for i in range(0, len(chunk), n_ubatch):
                 part = chunk[i:i + n_ubatch]
-                recorder.ids.clear()
+                recorder.clear()
                 arr = (lib.llama_token * len(part))(*part)
                 batch = lib.llama_batch_get_one(arr, len(part))
                 batch.logits = ctypes.cast(outputs, type(batch.logits))
                 rc = lib.llama_decode(eng.ctx, batch)
+                if recorder.error is not None:
+                    raise recorder.error
                 if rc != 0:
-                    raise FlexoffloadError(f"llama_decode failed ({rc}) while tracing experts: "
-                                           f"{eng.log.last_error()}")
-                rows.append(_ubatch_ids(model, recorder.ids, len(part)))
+                    raise FlexoffloadError(f"llama_decode failed ({rc}) while {what}: {eng.log.last_error()}")
+                yield len(part)
                 progress(start + i + len(part))
-    return Trace(model.n_layer, model.n_expert, model.n_expert_used, np.concatenate(rows),
-                 f"{source}, {len(tokens)} tokens" if source else f"{len(tokens)} tokens")
 
 
-def _ubatch_ids(model: Model, ids: dict[int, np.ndarray], n_tokens: int) -> np.ndarray:
+def ubatch_ids(model: Model, ids: dict[int, np.ndarray], n_tokens: int) -> np.ndarray:
     """One ubatch's ids as tokens x layers x used, checked to be every layer's, every token's."""
     want = (n_tokens, model.n_expert_used)
     missing = [layer for layer in range(model.n_layer) if layer not in ids]
