@@ -32,6 +32,7 @@ one layer to the next, which nothing in a trained or constructed MoE makes them:
 from __future__ import annotations
 
 import ctypes
+import functools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -86,22 +87,20 @@ class Router:
 
 
 def _tensor(model: Model, name: str) -> np.ndarray | None:
-    """A tensor of the file as float32 in numpy order (ggml's shape reversed), None if the file has no such tensor."""
-    t = next((t for t in model.tensors if t.name == name), None)
-    if t is None:
-        return None
-    raw = np.fromfile(model.path, dtype=np.uint8, count=t.n_bytes, offset=t.offset)
-    shape = tuple(reversed(t.shape))
-    if t.type == "F32":
-        return raw.view(np.float32).reshape(shape).copy()
-    if t.type == "F16":
-        return raw.view(np.float16).astype(np.float32).reshape(shape)
-    if t.type == "BF16":
-        return (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32).reshape(shape)
+    """A tensor of the file as float32 in numpy order (ggml's shape reversed), None if the file has no such tensor:
+    the gguf package's reader and dequantize, as measure/layerstudy.py reads weights."""
     import gguf
 
-    rows = raw.reshape(int(np.prod(shape[:-1])), -1)
-    return gguf.quants.dequantize(rows, gguf.GGMLQuantizationType[t.type]).astype(np.float32).reshape(shape)
+    t = _tensors(str(model.path)).get(name)
+    return None if t is None else gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
+
+
+@functools.lru_cache(maxsize=2)
+def _tensors(path: str) -> dict:
+    """The file's tensors by name (memory-mapped: read where used), once per file."""
+    import gguf
+
+    return {t.name: t for t in gguf.GGUFReader(path).tensors}
 
 
 def routers(model: Model) -> list[Router]:

@@ -25,6 +25,7 @@ import math
 from flexoffload.gguf.model import Model
 from flexoffload.plan.costmodel import Profile
 from flexoffload.plan.plans import Plan, streamed_bytes
+from flexoffload.plan.replay import unit_bytes, unit_reads
 
 DECODE_UBATCH = 1  # tokens a decode pass computes: one (this engine decodes a token at a time after the prompt)
 
@@ -81,8 +82,6 @@ def expert_read_seconds(model: Model, plan: Plan, n_tokens: int, profile: Profil
     with probability 1 - k/n), so a ubatch of 256 tokens names all 128 experts of Qwen3-30B-A3B's layers (text
     routing named about 96 % of them, docs/moe.md): every pass reads them again, which is what a larger ubatch
     saves. The cache holds slots/n of them."""
-    from flexoffload.plan.replay import unit_bytes, unit_reads
-
     e = plan.experts
     if e is None or e.whole or not model.n_expert:
         return 0.0  # expert tensors streamed whole are streamed tensors: streamed_bytes counts them
