@@ -28,6 +28,9 @@ WINDOW = 3
 # A mixture of experts' expert tensors: read by expert once the router has chosen ("routed": False), whole by the
 # window ("whole": True), or as the plan chooses ("auto": None) (plan/expertcache.py).
 EXPERT_READS = {"auto": None, "routed": False, "whole": True}
+# Whether a decoded token's layer reads the next layer's experts its router is predicted to choose (patch 0029): as
+# the plan decides ("auto": None), or on, or off.
+EXPERT_LOOKAHEAD = {"auto": None, "on": True, "off": False}
 
 # Threads issuing the streamed reads (the runtime's pool, and the disk profile's reads in flight).
 IO_THREADS = 4

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, make_dataclass
 from typing import Callable
 
 from flexoffload import FlexoffloadError
-from flexoffload.defaults import EXPERT_READS, STRATEGIES
+from flexoffload.defaults import EXPERT_LOOKAHEAD, EXPERT_READS, STRATEGIES
 from flexoffload.gguf.catalog import DEFAULT_MODEL
 from flexoffload.native.devices import parse_endpoints
 from flexoffload.plan import levels, mixed
@@ -67,7 +67,7 @@ class Option:
         return self.command_help.get(command, self.help)
 
 
-THEXPERT_READS = os.cpu_count() or 1
+THREADS = os.cpu_count() or 1
 SPEC_HELP = ("free drafters for a speculation tree, a comma list: ngram-simple, ngram-map-k, recycle (no memory but "
              "a table), model (-md, in the tree whenever given); none; auto: with -md model,ngram-simple, without it "
              "ngram-simple,recycle where the plan streams and its pass is disk-bound (docs/speculation.md)")
@@ -97,7 +97,7 @@ OPTIONS: tuple[Option, ...] = (
            choices=tuple(KV_TYPES)),
     Option("cache_type_v", ("-ctv", "--cache-type-v"), "f16", "the KV cache's V type (quantized: with flash "
            "attention)", STREAMING, choices=tuple(KV_TYPES)),
-    Option("n_threads", ("-t", "--threads"), THEXPERT_READS, "compute threads", COMMANDS),
+    Option("n_threads", ("-t", "--threads"), THREADS, "compute threads", COMMANDS),
     Option("forced", (), "", "text decoded after the prompt in place of the sampled tokens, token by token (teacher "
            "forcing): a benchmark's decode that routes as real text does on a synthetic model whose own output is "
            "noise (no speculation)", ()),
@@ -122,6 +122,10 @@ OPTIONS: tuple[Option, ...] = (
     Option("expert_reads", ("--expert-reads",), "auto", "a mixture of experts: read the routed experts once the "
            "router has chosen, or the expert tensors whole ahead of compute (faster where a token uses a large share "
            "of them); auto: the plan's", STREAMING, "budget", choices=tuple(EXPERT_READS)),
+    Option("expert_lookahead", ("--expert-lookahead",), "auto", "a mixture of experts: while a layer computes, read "
+           "the next layer's experts its router is predicted to choose (this layer's router input through the next "
+           "layer's router); auto: the plan's (on where a token's experts fit in the slots)", STREAMING, "budget",
+           choices=tuple(EXPERT_LOOKAHEAD)),
     Option("tuned", ("--tuned/--untuned",), True, "stream by the plan `plan --tune` made for this model, budget and "
            "-c/-b, where there is one", ("run", "serve"), "budget"),
     Option("move_back", (), True, "after the prompt, the compute buffers' memory goes to weights (False: an "
@@ -207,6 +211,9 @@ def _check_budget(b) -> None:
         raise FlexoffloadError("--window, --io-threads and --plan stream weights: not with --strategy mmap")
     if b.expert_reads not in EXPERT_READS:
         raise FlexoffloadError(f"unknown expert reads {b.expert_reads!r}: one of {', '.join(EXPERT_READS)}")
+    if b.expert_lookahead not in EXPERT_LOOKAHEAD:
+        raise FlexoffloadError(f"unknown expert lookahead {b.expert_lookahead!r}: one of "
+                               f"{', '.join(EXPERT_LOOKAHEAD)}")
 
 
 def spec_types(value: str | None, draft: str | None) -> list[str]:

@@ -103,7 +103,7 @@ def test_the_runtime_s_cache_hits_what_its_policy_s_replay_hits(policy, routing,
     that policy finds on the run's own routing, so a plan that chooses the policy by its replay chooses what the
     runtime does; and where a prompt's tokens route unevenly, it keeps the experts the prompt routed most to, as
     the replay does (patch 0026), and LFU counts the tokens routed to each (0028). The tokens are the same under
-    either."""
+    either. The cache alone: no layer reads the next one's predicted experts (test_moe_paths has lookahead)."""
     name, routed, slots, prompt = ROUTINGS[routing]
     path = synth.write(tmp_path / f"{name}.gguf", dataclasses.replace(synth.SHAPES[name], **STREAMED[name]),
                        routing=routed)
@@ -112,7 +112,8 @@ def test_the_runtime_s_cache_hits_what_its_policy_s_replay_hits(policy, routing,
     request = api.Request(model=str(path), prompt=prompt, n_predict=12, temp=0, n_ctx=256, n_batch=32,
                           mem=str(mem), strategy="stream", expert_slots=slots, expert_reads="routed")
     prepared = api.prepare(request)
-    prepared = dataclasses.replace(prepared, settings=dataclasses.replace(prepared.settings, expert_policy=policy))
+    prepared = dataclasses.replace(prepared, settings=dataclasses.replace(prepared.settings, expert_policy=policy,
+                                                                          expert_lookahead=False))
     run = api.run_prepared(prepared)
     assert run["tokens"] == api.generate(dataclasses.replace(request, mem=None, strategy="mmap"))["tokens"]
     t = run["timings"]

@@ -231,6 +231,48 @@ def test_the_plan_streams_expert_tensors_whole_where_that_is_predicted_faster(wi
     assert fast.predicted_tok_s >= make_plan(wide, budget, "balanced", FAST_SLICES, whole=True).predicted_tok_s
 
 
+def test_the_plan_looks_ahead_where_a_token_s_experts_fit_in_the_slots(moe):
+    """A decoded token's layer reads the next layer's predicted experts into that layer's slots (patch 0029), so
+    the plan turns lookahead on where the slots hold a token's k experts, off where they do not (the runtime would
+    not act on it), as given where given; never with expert tensors read whole."""
+    k = moe.n_expert_used
+    assert make_plan(moe, 64 << 20, "balanced", SLICES, slots=k).experts.lookahead
+    assert not make_plan(moe, 64 << 20, "balanced", SLICES, slots=k - 1).experts.lookahead
+    assert not make_plan(moe, 64 << 20, "balanced", SLICES, slots=k, lookahead=False).experts.lookahead
+    assert make_plan(moe, 64 << 20, "balanced", SLICES, slots=k, lookahead=False).experts.slots == k
+    with pytest.raises(FlexoffloadError, match="lookahead"):
+        make_plan(moe, 64 << 20, "balanced", SLICES, whole=True, lookahead=True)
+    plan = make_plan(moe, 64 << 20, "balanced", SLICES, slots=k)
+    assert plans.Plan.from_dict(plan.to_dict()).experts.lookahead  # a saved plan keeps it
+
+
+def test_lookahead_hides_the_predicted_share_of_a_layer_s_reads_up_to_a_layer_s_compute(moe):
+    """With lookahead, the share of a layer's misses the layer before predicts (the measured recall) was read while
+    that layer computed: the token saves that share of each burst's time, at most one layer's compute a layer. No
+    recall measured, or lookahead off: nothing saved. The plan counts it in its prediction."""
+    slots, k = 2, moe.n_expert_used
+    plain = replay.Misses.uniform(moe, slots)
+    half = dataclasses.replace(plain, recall=(0.5,) * moe.n_layer)
+    base = replay.cost(moe, slots, plain, SLICES)
+    assert replay.cost(moe, slots, plain, SLICES, lookahead=True).read_s == base.read_s  # no recall measured
+    assert replay.cost(moe, slots, half, SLICES).read_s == base.read_s  # lookahead off
+    # a layer computes longer than its burst reads: half of each burst hidden
+    assert replay.compute_seconds(moe, SLICES) / moe.n_layer > base.read_s / moe.n_layer
+    assert replay.cost(moe, slots, half, SLICES, lookahead=True).read_s == pytest.approx(base.read_s / 2)
+    # bursts read a thousand times slower than a layer computes: a layer that misses hides a layer's compute of
+    # its burst, no more
+    slow = dataclasses.replace(SLICES, expert_read_bw=0.6e6)
+    layer_s = replay.compute_seconds(moe, slow) / moe.n_layer
+    missing = sum(1 - layer[0] for layer in plain.shares)  # the share of tokens a layer misses something, summed
+    saved = replay.cost(moe, slots, plain, slow).read_s - replay.cost(moe, slots, half, slow, lookahead=True).read_s
+    assert saved == pytest.approx(missing * layer_s)
+    planned = make_plan(moe, 64 << 20, "balanced", SLICES, slots=k, misses=lambda s, p="lru": dataclasses.replace(
+        replay.Misses.uniform(moe, s), recall=(1.0,) * moe.n_layer))
+    unplanned = make_plan(moe, 64 << 20, "balanced", SLICES, slots=k, lookahead=False,
+                          misses=lambda s, p="lru": replay.Misses.uniform(moe, s))
+    assert planned.experts.lookahead and planned.predicted_tok_s > unplanned.predicted_tok_s
+
+
 def test_expert_slots_are_refused_with_expert_tensors_read_whole(wide):
     with pytest.raises(FlexoffloadError, match="expert slots"):
         make_plan(wide, wide.weight_bytes * 3 // 4, "balanced", SLICES, slots=2, whole=True)

@@ -197,6 +197,54 @@ def test_a_prompt_batch_reads_the_next_layer_s_experts_ahead_and_keeps_what_it_w
     assert b["expert_cached_peak"] <= a["expert_cached_peak"] <= prepared.plan.memory.experts + room
 
 
+@pytest.mark.parametrize("name", ["qwen3moe-tiny", "gpt-oss-tiny"])  # softmax routers; top k of biased logits
+def test_a_decoded_token_s_layer_reads_the_next_layer_s_predicted_experts(name, tmp_path, private_cache):
+    """Routed as text (each layer's router reads the slice of the residual stream the token's embedding writes),
+    layer l's router input through layer l+1's router predicts most of l+1's experts. Where a token's experts fit
+    in the slots the plan turns lookahead on (patch 0029): each decoded token's layers read the next layer's
+    predicted experts while they compute. Against the same Prepared without (in fresh processes): the same tokens
+    and experts used; experts read on a prediction, most of which their layer's router then chose (a random guess
+    gets k/n of them); none without; the cached experts' peak within what the plan counts (a prediction takes the
+    slots of experts given back for it, never more)."""
+    shape = dataclasses.replace(synth.SHAPES[name], n_layer=4, **STREAMED.get(name, {}))
+    path = synth.write(tmp_path / "moe.gguf", shape, seed=SEED.get(name, 0), routing="text")
+    prompt = " ".join(f"word{i} thing{i * 7}" for i in range(6))
+    m = load(path)
+    planned, _ = _by_expert(path, m.n_expert_used + 2, prompt=prompt)
+    assert planned.plan.experts.lookahead and planned.settings.expert_lookahead
+    without = dataclasses.replace(planned, settings=dataclasses.replace(planned.settings, expert_lookahead=False))
+    ahead, alone = (api.run_in_cgroup(p, None, timeout=300) for p in (planned, without))
+    assert ahead["tokens"] == alone["tokens"]
+    a, b = ahead["timings"], alone["timings"]
+    assert a["expert_uses"] == b["expert_uses"]
+    decoded = len(ahead["tokens"]) - 1
+    assert a["expert_predicted"] > 0 and b["expert_predicted"] == 0
+    assert a["expert_predicted"] <= decoded * (m.n_layer - 1) * m.n_expert_used  # a token's k, the last layer none
+    assert a["expert_predicted_used"] >= 0.6 * a["expert_predicted"]
+    assert a["expert_cached_peak"] <= planned.plan.memory.experts
+
+
+def test_a_layer_whose_predictions_its_router_does_not_choose_stops_predicting(tmp_path, private_cache):
+    """Random routers (each layer's its own random matrix): layer l's input through layer l+1's router guesses
+    l+1's experts about as well as chance, and each wrong guess evicts an expert for nothing. A layer whose router
+    chose less than half its predicted experts of late is predicted every 16th pass only (patch 0029): over 48
+    teacher-forced tokens, far fewer predictions than a token's k at every layer but the first; the same tokens as
+    without lookahead."""
+    shape = dataclasses.replace(synth.SHAPES["qwen3moe-tiny"], n_layer=4, **STREAMED["qwen3moe-tiny"])
+    path = synth.write(tmp_path / "moe.gguf", shape, seed=SEED["qwen3moe-tiny"], routing="random")
+    m = load(path)
+    planned, _ = _by_expert(path, m.n_expert_used + 2)
+    forced = " ".join(f"t{i * 13} u{i * 5}" for i in range(40))
+    planned = dataclasses.replace(planned, request=dataclasses.replace(planned.request, forced=forced, n_predict=48))
+    assert planned.settings.expert_lookahead
+    without = dataclasses.replace(planned, settings=dataclasses.replace(planned.settings, expert_lookahead=False))
+    ahead, alone = (api.run_in_cgroup(p, None, timeout=300) for p in (planned, without))
+    assert ahead["tokens"] == alone["tokens"] and len(ahead["tokens"]) == 48
+    a = ahead["timings"]
+    assert 0 < a["expert_predicted"] < 0.4 * 47 * (m.n_layer - 1) * m.n_expert_used
+    assert a["expert_predicted_used"] < 0.5 * a["expert_predicted"]
+
+
 def test_free_drafters_on_a_moe_streamed_by_expert_keep_its_greedy_text(tmp_path, private_cache):
     """Free drafters (n-grams, Token Recycling) asked for by name on a MoE streamed by expert: a tree's tokens each
     route to their own experts, the pass reads their union, and the tokens are the target's alone; trees were

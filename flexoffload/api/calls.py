@@ -2,20 +2,23 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import tempfile
 from dataclasses import replace
 
 import flexoffload.gguf.model
-from flexoffload import options
+from flexoffload import FlexoffloadError, options
 from flexoffload.gguf import catalog
-from flexoffload.measure import probe, profiler, tracing, tuning
+from flexoffload.measure import lookahead, probe, profiler, tracing, tuning
 from flexoffload.memory import budgets
 from flexoffload.options import Budget, Draft, Generation, Placement, Precision, Request, request
 from flexoffload.plan import locality, replay
 from flexoffload.plan.costmodel import compute_seconds
 from flexoffload.api.running import execute, run_in_cgroup
 from flexoffload.api.preparing import prepare
+
+log = logging.getLogger(__name__)
 
 
 def load(model=None):
@@ -71,10 +74,18 @@ def experts(model, slots: list[int] | None = None, text: str | None = None, n_th
             batch: int = 512, remeasure: bool = False) -> dict:
     """profile --experts: the experts a text routes to (measure/tracing.py; None: the HumanEval tuning problems;
     measured once, cached) replayed through an expert cache of each slot count and policy (plan/replay.py), and
-    how local the routing is, by layer and on average (plan/locality.py: layer -1 the mean)."""
+    how local the routing is, by layer and on average (plan/locality.py: layer -1 the mean). With the calibration
+    text, also how well each layer predicts the next one's experts (measure/lookahead.py: what the plan's lookahead
+    counts on; None where its routers are of a kind lookahead does not model)."""
     n_threads = n_threads or os.cpu_count() or 1
     trace = tracing.trace(model, text, n_threads, remeasure=remeasure)
     replay.check(model, trace)
+    recall = None
+    if text is None:
+        try:
+            recall = lookahead.recall_by_layer(model, n_threads, remeasure)
+        except FlexoffloadError as e:
+            log.warning("no lookahead recall for %s: %s", model.path.name, e)
     profile = profiler.measure(model, n_threads)
     slots = replay.default_slots(model) if slots is None else slots
     layers = locality.by_layer(trace)
@@ -84,7 +95,7 @@ def experts(model, slots: list[int] | None = None, text: str | None = None, n_th
             "resident_tok_s": 1.0 / compute_seconds(model, profile),
             "rows": replay.table(model, trace, slots, profile, batch),
             "locality": [x.to_dict() for x in layers] + [locality.mean(layers).to_dict()],
-            "lru_hits": locality.lru_hits(trace)}
+            "lru_hits": locality.lru_hits(trace), "lookahead_recall": recall}
 
 
 def check(r: Request) -> None:

@@ -5,11 +5,12 @@ Everything here reads a request's values and the model; nothing here decides dra
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 from flexoffload import FlexoffloadError
-from flexoffload.defaults import EXPERT_READS, IO_THREADS, WINDOW
-from flexoffload.measure import dryrun, probe, profiler, servers, tracing, tuning
+from flexoffload.defaults import EXPERT_LOOKAHEAD, EXPERT_READS, IO_THREADS, WINDOW
+from flexoffload.measure import dryrun, lookahead, probe, profiler, servers, tracing, tuning
 from flexoffload.memory import budgets, stepmem
 from flexoffload.memory.budgets import format_size
 from flexoffload.memory.footprint import KERNEL_FIXED, MARGIN, smallest_budget
@@ -42,17 +43,20 @@ def expert_misses(model):
     """A mixture of experts' misses by slots and policy (replay.Misses) from its measured routing (`profile
     --experts`), replayed through the runtime's cache under that policy (lru, lfu); None where none was measured (the
     planner then assumes uniform routing, which random weights do not show: they send nearly every token to the same
-    few experts)."""
+    few experts). With them, how well each layer predicts the next one's experts (lookahead's recall, where `profile
+    --experts` measured it)."""
     if not model.n_expert:
         return None
     trace = tracing.cached(model)
     if trace is None:
         return None
+    recall = lookahead.recall_cached(model) or ()
     misses: dict[tuple[int, str], replay.Misses] = {}
 
     def replayed(slots: int, policy: str = "lru") -> replay.Misses:
         if (slots, policy) not in misses:
-            misses[slots, policy] = replay.Misses.replayed(replay.simulate(trace, slots, policy))
+            misses[slots, policy] = replace(replay.Misses.replayed(replay.simulate(trace, slots, policy)),
+                                            recall=recall)
         return misses[slots, policy]
 
     return replayed
@@ -107,7 +111,8 @@ def plan_for_run(model, r, limit: int | None, n_outputs: int = 1, n_seq_max: int
     elif limit is None:
         return None
     budget = limit if limit is not None else 4 * model.file_size + (1 << 30)
-    experts = dict(slots=r.expert_slots, misses=expert_misses(model), whole=expert_whole(r))
+    experts = dict(slots=r.expert_slots, misses=expert_misses(model), whole=expert_whole(r),
+                   lookahead=EXPERT_LOOKAHEAD[r.expert_lookahead])
     setting = step_setting(r, n_outputs)
     if setting is not None:
         # the ubatch, the attention path and the KV types set the buffers: their costs from llama.cpp's dry run

@@ -206,6 +206,7 @@ def settings_for(w, plan, limit: int | None, model, tree: bool) -> tuple[engine.
         expert_policy=plan.experts.policy if plan and plan.experts else "lru",
         expert_whole=bool(plan and plan.experts and plan.experts.whole),
         expert_ahead=bool(plan and plan.experts and plan.experts.ahead),
+        expert_lookahead=bool(plan and plan.experts and plan.experts.lookahead),
         io_threads=w.io_threads or (plan.io_threads if plan else IO_THREADS), verbose=w.verbose)
     return settings, decode_tok_s
 

@@ -210,7 +210,8 @@ def plan(out_dir, tune_best, tune_rounds, max_prompt, prompt_len, as_json, **par
         out = {"lru": "least recently used out", "lfu": "least frequently used out"}.get(x.policy, x.policy)
         click.echo(f"  experts: {x.slots} of {model.n_expert} cached a layer, {out} ({m.experts / MiB:.0f} MiB with a "
                    f"batch's{' and the next layer read ahead' if x.ahead else ''}), predicted hit rate "
-                   f"{x.hit_rate:.0%}, {x.bytes_per_token / MiB:.1f} MiB read a token")
+                   f"{x.hit_rate:.0%}, {x.bytes_per_token / MiB:.1f} MiB read a token"
+                   f"{', the next layer predicted and read ahead' if x.lookahead else ''}")
     click.echo(f"  predicted {p.predicted_tok_s:.2f} tok/s; roofline {p.roofline_tok_s:.2f} tok/s")
     if p.tuning:
         click.echo("  tuned: the candidates, measured under the budget\n" + tuning.describe(p))

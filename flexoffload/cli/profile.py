@@ -133,6 +133,12 @@ def _profile_experts(model, threads, slots, file, batch, remeasure, as_json) -> 
     click.echo("touched/100: the share of a layer's experts 100 tokens in a row use; entropy: of its load, 1 "
                "uniform; repeat: the share of a token's experts the token before used too; LRU hits at "
                + ", ".join(f"{k} slots {v:.1%}" for k, v in r["lru_hits"].items()) + " (plan/locality.py)")
+    recall = [v for v in r["lookahead_recall"] or () if v > 0]
+    if recall:
+        mean = sum(recall) / len(recall)
+        click.echo(f"lookahead: a layer's router input through the next layer's router predicts {mean:.1%} of that "
+                   f"layer's experts on average ({min(recall):.1%}-{max(recall):.1%} by layer): the share of its "
+                   f"misses the plan counts as read while the layer before computes")
 
 
 def _profile_neurons(model, threads: int, n_group: int | None, levels: str | None, as_json: bool) -> None:

@@ -1,5 +1,6 @@
 """Lookahead (issue 42, item 3): how well layer l's hidden state predicts the experts of layer l+1 (and l+2), measured
-on text before anything relies on it. Nothing acts on the prediction yet.
+on text. The runtime acts on the prediction one layer ahead (patch 0029, the plan's `lookahead`); the plan's cost
+counts the share of a layer's misses it hides by the recall measured here on the calibration text (recall_cached).
 
 The prediction is Pre-gated MoE's and ProMoE's: the input layer l's router reads (the FFN's input after its norm),
 put through layer l+d's router, its top k the experts layer l+d is predicted to route to. llama.cpp names the
@@ -33,13 +34,19 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import json
+import logging
+import os
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from flexoffload import FlexoffloadError
+from flexoffload.defaults import cache_dir, content_key, file_key, write_atomic
 from flexoffload.gguf.model import Model, metadata
 from flexoffload.measure import tracing
+
+log = logging.getLogger(__name__)
 
 LOGITS = b"ffn_moe_logits-"
 ARGSORT = b"ffn_moe_argsort-"  # the sort the top k is a view of; its source: the scores llama.cpp chooses by
@@ -328,3 +335,32 @@ def means(rows: list[dict]) -> dict[str, float]:
         values = [r[column] for r in rows if np.isfinite(r[column])]
         out[column] = float(np.mean(values)) if values else float("nan")
     return out
+
+
+def _recall_path(model: Model):
+    key = content_key(tracing.calibration_text(), str(MAX_TOKENS), str(tracing.CTX), str(tracing.UBATCH), "v1")
+    return cache_dir() / "profiles" / f"{file_key(model.path)}-lookahead-{key}.json"
+
+
+def recall_cached(model: Model) -> tuple[float, ...] | None:
+    """By layer, the share of its routed experts the layer before's router input predicts through its router (the
+    runtime's prediction, patch 0029: no norm swapped; layer 0: none), on the calibration text's first MAX_TOKENS
+    tokens, if `profile --experts` measured it; else None."""
+    path = _recall_path(model)
+    return tuple(json.loads(path.read_text())["recall_next"]) if path.is_file() else None
+
+
+def recall_by_layer(model: Model, n_threads: int | None = None, remeasure: bool = False) -> tuple[float, ...]:
+    """recall_cached's numbers, measured once (a decode of MAX_TOKENS tokens in this process, with the file mapped)
+    and cached per model file."""
+    path = _recall_path(model)
+    if path.is_file() and not remeasure:
+        return recall_cached(model)
+    log.info("measuring how well each layer predicts the next one's experts on %d tokens of the calibration text "
+             "(once, cached): about as long as tracing them", MAX_TOKENS)
+    result = measure(model, tracing.calibration_text(), n_threads or os.cpu_count() or 1,
+                     source=f"{model.path.name}: HumanEval 0-39 with solutions")
+    rows = {r["layer"]: r["recall_next"] for r in by_layer(result)}
+    recall = tuple(float(rows[il]) if il in rows and np.isfinite(rows[il]) else 0.0 for il in range(model.n_layer))
+    write_atomic(path, json.dumps({"recall_next": recall, "tokens": result.n_tokens, "source": result.source}))
+    return recall

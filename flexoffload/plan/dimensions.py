@@ -161,6 +161,7 @@ class Experts:
     seconds: float  # what the experts add to a decoded token's time
     whole: bool = False
     ahead: bool = False  # a prompt batch reads the next layer's experts ahead (its memory counted)
+    lookahead: bool = False  # a decoded token's next layer's experts, predicted by its router, read a layer early
 
     def to_dict(self) -> dict:
         d = {"slots": self.slots, "policy": self.policy}
@@ -168,9 +169,12 @@ class Experts:
             d["whole"] = True
         if self.ahead:
             d["ahead"] = True
+        if self.lookahead:
+            d["lookahead"] = True
         return {**d, "hit_rate": self.hit_rate, "bytes_per_token": self.bytes_per_token, "seconds": self.seconds}
 
     @classmethod
     def from_dict(cls, d: Mapping) -> "Experts":
         return cls(slots=d["slots"], policy=d["policy"], hit_rate=d["hit_rate"], bytes_per_token=d["bytes_per_token"],
-                   seconds=d["seconds"], whole=bool(d.get("whole", False)), ahead=bool(d.get("ahead", False)))
+                   seconds=d["seconds"], whole=bool(d.get("whole", False)), ahead=bool(d.get("ahead", False)),
+                   lookahead=bool(d.get("lookahead", False)))

@@ -7,7 +7,9 @@ slot count, and the two share the budget: the cache takes `slots` experts of eve
 hold all of one layer's experts at once (it uses the union of its tokens' experts, trimmed back after the layer).
 
 Expert reads cannot hide behind compute the way window prefetches do: which experts a layer needs is known only
-when its router has run. So a decoded token's miss costs its read time on top of the dense pipeline's time. A
+when its router has run. So a decoded token's miss costs its read time on top of the dense pipeline's time, but for
+the share the layer before predicted (lookahead, patch 0029: its router input through this layer's router), read
+while that layer computed; a plan looks ahead where a token's experts fit in the slots (looks_ahead). A
 prompt batch that names most of a layer's experts can read the next layer's ahead (patch 0022) while it computes,
 at the memory of a second layer's experts (`ahead`); no plan turns that on yet (docs/moe.md says why).
 What experts cost is replay.cost's (the one cost model of experts); this module sizes the cache and asks it.
@@ -84,10 +86,16 @@ def uniform(model: Model) -> MissesBySlots:
 
 
 def cost(model: Model, slots: int, profile: Profile, misses: MissesBySlots, io_threads: int,
-         policy: str = "lru") -> replay.Cost:
-    """What experts add to a decoded token's time with `slots` a layer under `policy`: replay.cost of the misses
-    `misses` gives."""
-    return replay.cost(model, slots, misses(slots, policy), profile, io_threads)
+         policy: str = "lru", lookahead: bool = False) -> replay.Cost:
+    """What experts add to a decoded token's time with `slots` a layer under `policy` (and lookahead: the next
+    layer's predicted experts read while a layer computes): replay.cost of the misses `misses` gives."""
+    return replay.cost(model, slots, misses(slots, policy), profile, io_threads, lookahead)
+
+
+def looks_ahead(model: Model, slots: int, lookahead: bool | None) -> bool:
+    """Whether a plan of `slots` a layer reads the next layer's predicted experts (lookahead, patch 0029): as given,
+    or (None) where a token's experts fit in the slots, which the runtime needs to act on it."""
+    return slots >= model.n_expert_used if lookahead is None else lookahead
 
 
 def candidates(model: Model) -> list[int]:

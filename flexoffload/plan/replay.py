@@ -301,6 +301,9 @@ class Misses:
 
     hit_rate: float
     shares: tuple[tuple[float, ...], ...]
+    # by layer, the share of its routed experts the layer before's router input predicts through its router
+    # (measure/lookahead.py on the calibration text); empty: not measured, no read counted as hidden by lookahead
+    recall: tuple[float, ...] = ()
 
     @classmethod
     def replayed(cls, replay: Replay) -> "Misses":
@@ -343,20 +346,29 @@ class Cost:
         return self.compute_s + self.read_s
 
 
-def cost(model: Model, slots: int, misses: Misses, profile: Profile, io_threads: int = IO_THREADS) -> Cost:
+def cost(model: Model, slots: int, misses: Misses, profile: Profile, io_threads: int = IO_THREADS,
+         lookahead: bool = False) -> Cost:
     """A decoded token's experts: the routed experts' compute, and the reads of the units it misses.
 
     The model of time: at each layer, the units a token misses are read as one burst (one request per unit and
     *_exps tensor, io_threads in flight) that starts only once the layer's router has run, and the layer's experts
     compute right after, so the burst overlaps nothing: its time (profile.expert_read_seconds: a latency plus its
     bytes at the speed the profile measured for bursts of expert slices) adds to the token's. A layer that misses
-    nothing adds no read. Not modelled: reading up and down while gate computes, prefetching from a predicted
-    router, the page cache."""
+    nothing adds no read. With lookahead (patch 0029), the share of the burst the layer before predicted
+    (misses.recall) was read while that layer computed: up to one layer's compute of it is hidden. Not modelled:
+    reading up and down while gate computes, a wrong prediction's read and the expert it evicted, the page cache."""
     sizes, reads = unit_bytes(model), unit_reads(model)
     if len(misses.shares) != model.n_layer:
         raise FlexoffloadError(f"misses of {len(misses.shares)} layers for {model.path.name}'s {model.n_layer}")
-    read_s = sum(share * profile.expert_read_seconds(m * sizes[il], m * reads[il], io_threads)
-                 for il, layer in enumerate(misses.shares) for m, share in enumerate(layer) if m and share)
+    recall = misses.recall if lookahead and len(misses.recall) == model.n_layer else (0.0,) * model.n_layer
+    layer_s = compute_seconds(model, profile) / model.n_layer  # what a layer's compute can hide
+
+    def exposed(il: int, m: int) -> float:
+        t = profile.expert_read_seconds(m * sizes[il], m * reads[il], io_threads)
+        return t - min(layer_s, recall[il] * t)
+
+    read_s = sum(share * exposed(il, m) for il, layer in enumerate(misses.shares) for m, share in enumerate(layer)
+                 if m and share)
     per_layer = misses.per_layer()
     return Cost(slots, misses.hit_rate, sum(per_layer), sum(u * b for u, b in zip(per_layer, sizes)),
                 expert_seconds(model, profile), read_s)

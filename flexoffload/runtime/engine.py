@@ -191,7 +191,7 @@ class Engine:
             mparams.load_mode = lib.LLAMA_LOAD_MODE_MLOCK
             stream.configure(settings.window, settings.io_threads, chunk_bytes=settings.chunk_bytes)
             stream.configure_experts(settings.expert_slots, settings.expert_policy, whole=settings.expert_whole,
-                                     ahead=settings.expert_ahead)
+                                     ahead=settings.expert_ahead, lookahead=settings.expert_lookahead)
             buft = stream.buffer_type()
             overrides = [(p.encode(), buft) for p in settings.streamed_patterns] + overrides
         if overrides:

@@ -82,5 +82,6 @@ def stream_timings(elapsed_s: float, model) -> dict:
     if experts["n_uses"]:
         timings.update(expert_uses=experts["n_uses"], expert_hit_rate=experts["n_hits"] / experts["n_uses"],
                        expert_bytes_read=experts["bytes_read"], expert_cached_peak=experts["bytes_cached_peak"],
-                       expert_ahead=experts["n_ahead"], expert_spilled=experts["n_spilled"])
+                       expert_ahead=experts["n_ahead"], expert_spilled=experts["n_spilled"],
+                       expert_predicted=experts["n_predicted"], expert_predicted_used=experts["n_predicted_used"])
     return timings

@@ -157,7 +157,8 @@ def environment(settings: Settings, speculation: Speculation | None = None, tile
                    LLAMA_STREAM_EXPERT_SLOTS=str(settings.expert_slots),
                    LLAMA_STREAM_EXPERT_POLICY=settings.expert_policy,
                    LLAMA_STREAM_EXPERT_WHOLE=str(int(settings.expert_whole)),
-                   LLAMA_STREAM_EXPERT_AHEAD=str(int(settings.expert_ahead)))
+                   LLAMA_STREAM_EXPERT_AHEAD=str(int(settings.expert_ahead)),
+                   LLAMA_STREAM_EXPERT_LOOKAHEAD=str(int(settings.expert_lookahead)))
     if settings.rpc:  # as an RPC run's child (native.spin_briefly): spinning threads share the cores
         from flexoffload.native import SPIN_COUNT
 

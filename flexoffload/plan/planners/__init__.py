@@ -63,7 +63,7 @@ def minimum_budget(model: Model, window: int | None = None, kv_cache: int = 0, c
 def make_plan(model: Model, budget: int, policy: str, profile: Profile, window: int | None = None,
               io_threads: int = IO_THREADS, kv_cache: int = 0, compute: int = 0, overhead: int = 0,
               code: int = 0, slots: int | None = None, misses: expertcache.MissesBySlots | None = None,
-              whole: bool | None = None) -> Plan:
+              whole: bool | None = None, lookahead: bool | None = None) -> Plan:
     """Plan a whole-process budget: resident weights + window + KV cache + compute buffers + overhead + code.
 
     window None: the one of AUTO_WINDOWS the cost model predicts fastest for this policy and budget. A deeper
@@ -74,7 +74,7 @@ def make_plan(model: Model, budget: int, policy: str, profile: Profile, window: 
         raise FlexoffloadError(f"unknown policy {policy!r}: one of {', '.join(POLICIES)}")
     if model.n_expert:
         return _moe_plan(model, budget, policy, profile, window, io_threads, kv_cache, compute, overhead, code,
-                         slots, misses, whole)
+                         slots, misses, whole, lookahead)
     windows = AUTO_WINDOWS if window is None else (window,)
     refuse_below(model, budget, min(minimum_budget(model, w, kv_cache, compute, overhead, code) for w in windows),
                  min(windows))
@@ -104,14 +104,17 @@ def make_plan(model: Model, budget: int, policy: str, profile: Profile, window: 
 
 def _moe_plan(model: Model, budget: int, policy: str, profile: Profile, window: int | None, io_threads: int,
               kv_cache: int, compute: int, overhead: int, code: int, slots: int | None,
-              misses: expertcache.MissesBySlots | None, whole: bool | None) -> Plan:
+              misses: expertcache.MissesBySlots | None, whole: bool | None, lookahead: bool | None = None) -> Plan:
     """A mixture of experts: the dense tensors planned as a dense model's in what the expert cache leaves, for each
     slot count (slots None: the candidates), the fastest predicted; expert tensors stream by expert. Or (whole True,
     or None with no slots given) the expert tensors planned with the others as a dense model's tensors, streamed
     whole by the window (_whole_plan): faster where a token routes to a large share of the experts. None: the
-    faster."""
+    faster. lookahead: whether a decoded token's layer reads the next layer's predicted experts (patch 0029); None:
+    where a token's experts fit in the slots."""
     if whole and slots is not None:
         raise FlexoffloadError("expert slots are a cache of experts read by expert: not with expert tensors read whole")
+    if whole and lookahead:
+        raise FlexoffloadError("expert lookahead reads experts by expert: not with expert tensors read whole")
     windows = AUTO_WINDOWS if window is None else (window,)
     refuse_below(model, budget, min(minimum_budget(model, w, kv_cache, compute, overhead, code) for w in windows),
                  min(windows))
@@ -130,7 +133,8 @@ def _moe_plan(model: Model, budget: int, policy: str, profile: Profile, window: 
         if rest < min(minimum_budget(base_model, w, kv_cache, compute, overhead, code) for w in windows):
             continue
         p = make_plan(base_model, rest, policy, profile, window, io_threads, kv_cache, compute, overhead, code)
-        c = expertcache.cost(model, s, profile, misses, io_threads)
+        c = expertcache.cost(model, s, profile, misses, io_threads,
+                             lookahead=expertcache.looks_ahead(model, s, lookahead))
         seconds = 1.0 / p.predicted_tok_s + c.seconds
         if best is None or seconds < best[0]:
             best = seconds, p, c, experts
@@ -149,14 +153,16 @@ def _moe_plan(model: Model, budget: int, policy: str, profile: Profile, window: 
         while more < model.n_expert and expertcache.memory(model, more + 1) - experts <= spare:
             more += 1
         if more > c.slots:
-            o = expertcache.cost(model, more, profile, misses, io_threads)
+            o = expertcache.cost(model, more, profile, misses, io_threads,
+                                 lookahead=expertcache.looks_ahead(model, more, lookahead))
             if o.seconds < c.seconds:
                 seconds, c, experts = seconds - c.seconds + o.seconds, o, expertcache.memory(model, more)
     # the cache sized under LRU, then each other policy at that size (one replay each, not one a slot count): on
     # the 30B-A3B shape's calibration text LFU hit 74 % of a quarter's uses against LRU's 66 % (results/moe_locality)
     evicts = expertcache.POLICIES[0]  # not `policy`: that is the dense tensors' placement
     for other in expertcache.POLICIES[1:]:
-        o = expertcache.cost(model, c.slots, profile, misses, io_threads, other)
+        o = expertcache.cost(model, c.slots, profile, misses, io_threads, other,
+                             expertcache.looks_ahead(model, c.slots, lookahead))
         if o.seconds < c.seconds:
             seconds, c, evicts = seconds - c.seconds + o.seconds, o, other
     expert_names = {t.name for t in model.tensors if t.kind == "expert"}
@@ -168,7 +174,7 @@ def _moe_plan(model: Model, budget: int, policy: str, profile: Profile, window: 
         streamed=tuple(t.name for t in model.tensors if t.name in streamed),
         predicted_tok_s=1.0 / seconds,
         experts=Experts(slots=c.slots, policy=evicts, hit_rate=c.hit_rate, bytes_per_token=c.bytes_per_token,
-                        seconds=c.seconds))
+                        seconds=c.seconds, lookahead=expertcache.looks_ahead(model, c.slots, lookahead)))
 
 
 def _whole_plan(model: Model, budget: int, policy: str, profile: Profile, window: int | None, io_threads: int,
@@ -207,13 +213,14 @@ def ceiling(profile: Profile) -> Profile:
 
 def plan_budget(model: Model, budget: int, policy: str, profile: Profile, run: Footprint,
                 window: int | None = None, io_threads: int = IO_THREADS, draft: int = 0, slots: int | None = None,
-                misses: expertcache.MissesBySlots | None = None, whole: bool | None = None) -> Plan:
+                misses: expertcache.MissesBySlots | None = None, whole: bool | None = None,
+                lookahead: bool | None = None) -> Plan:
     """make_plan with what a run takes beside the weights at its settings, run (the Footprint llama.cpp reports and
     the probe measures: measure.footprint); draft is what a resident draft model takes (resident_bytes), counted
     with the overhead."""
     check_budget(model, budget, run, window, draft)
     return make_plan(model, budget, policy, profile, window=window, io_threads=io_threads, slots=slots,
-                     misses=misses, whole=whole, **costs(run, draft, budget))
+                     misses=misses, whole=whole, lookahead=lookahead, **costs(run, draft, budget))
 
 
 def check_budget(model: Model, budget: int, run: Footprint, window: int | None = None, draft: int = 0) -> None:
