@@ -41,3 +41,13 @@ def test_the_pinned_tree_carries_our_patches():
     mmq = REPO / "vendor" / "llama.cpp" / "ggml" / "src" / "ggml-cpu" / "amx" / "mmq.cpp"
     assert '__asm__ volatile("ldtilecfg %0" :: "m"(tc));' in mmq.read_text()
     assert (REPO / "build" / "native" / ".complete").exists()
+
+
+def test_the_cached_build_is_made_from_its_own_copy_of_the_tree():
+    """Every clone shares the cached build, and cmake re-reads its source when a target is added later
+    (scripts/upstream_tests builds the test programs): that source is the cache's copy, not the vendor/ of
+    whichever clone built it first, which may be gone (CI deletes its clone)."""
+    native = (REPO / "build" / "native").resolve()
+    configured = (native / "build" / "CMakeCache.txt").read_text()
+    assert f"CMAKE_HOME_DIRECTORY:INTERNAL={native / 'src'}\n" in configured
+    assert (native / "src" / "tests" / "CMakeLists.txt").exists()
