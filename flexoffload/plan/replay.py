@@ -360,12 +360,12 @@ def cost(model: Model, slots: int, misses: Misses, profile: Profile, io_threads:
     sizes, reads = unit_bytes(model), unit_reads(model)
     if len(misses.shares) != model.n_layer:
         raise FlexoffloadError(f"misses of {len(misses.shares)} layers for {model.path.name}'s {model.n_layer}")
-    recall = misses.recall if lookahead and len(misses.recall) == model.n_layer else (0.0,) * model.n_layer
-    layer_s = compute_seconds(model, profile) / model.n_layer  # what a layer's compute can hide
+    hides = lookahead and len(misses.recall) == model.n_layer
+    layer_s = compute_seconds(model, profile) / model.n_layer if hides else 0.0  # what a layer's compute can hide
 
     def exposed(il: int, m: int) -> float:
         t = profile.expert_read_seconds(m * sizes[il], m * reads[il], io_threads)
-        return t - min(layer_s, recall[il] * t)
+        return t - min(layer_s, misses.recall[il] * t) if hides else t
 
     read_s = sum(share * exposed(il, m) for il, layer in enumerate(misses.shares) for m, share in enumerate(layer)
                  if m and share)
