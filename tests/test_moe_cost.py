@@ -11,14 +11,14 @@ import numpy as np
 import pytest
 
 from flexoffload import FlexoffloadError
-from flexoffload.defaults import cache_dir
+from flexoffload.defaults import SMALL_BYTES, cache_dir
 from flexoffload.gguf import synth
 from flexoffload.gguf.model import load
 from flexoffload.measure import profiler
 from flexoffload.plan import expertcache, plans, replay
 from flexoffload.plan.costmodel import Profile
 from flexoffload.plan.replay import Misses, Trace, simulate
-from flexoffload.plan.planners import make_plan
+from flexoffload.plan.planners import make_plan, minimum_budget
 
 
 @pytest.fixture(scope="module")
@@ -244,6 +244,23 @@ def test_the_plan_looks_ahead_where_a_token_s_experts_fit_in_the_slots(moe):
         make_plan(moe, 64 << 20, "balanced", SLICES, whole=True, lookahead=True)
     plan = make_plan(moe, 64 << 20, "balanced", SLICES, slots=k)
     assert plans.Plan.from_dict(plan.to_dict()).experts.lookahead  # a saved plan keeps it
+
+
+def test_a_moe_s_routers_stay_resident_at_every_budget(tmp_path):
+    """Lookahead (patch 0029) predicts only with a router in memory, and every token reads each layer's router
+    whole: a plan keeps the routers resident however short the budget, also where one is over SMALL_BYTES (the
+    30B-A3B shape's are 1 MiB each; a plan that streamed them predicted nothing at all)."""
+    shape = dataclasses.replace(synth.SHAPES["qwen3moe-tiny"], n_embd=2048, n_expert=128, n_expert_used=8,
+                                n_ff_expert=32)
+    m = load(synth.write(tmp_path / "routers.gguf", shape))
+    routers = {t.name for t in m.tensors if t.kind == "router"}
+    assert len(routers) == shape.n_layer and all(t.n_bytes >= SMALL_BYTES for t in m.tensors if t.name in routers)
+    low = minimum_budget(m)
+    for budget in (low, low + (4 << 20), low + (16 << 20), low + (64 << 20)):
+        plan = make_plan(m, budget, "balanced", SLICES)
+        assert not routers & set(plan.streamed) and routers <= set(plan.resident)
+    plan = make_plan(m, low + (64 << 20), "balanced", SLICES, slots=shape.n_expert_used)
+    assert plan.experts.lookahead and not routers & set(plan.streamed)
 
 
 def test_lookahead_hides_the_predicted_share_of_a_layer_s_reads_up_to_a_layer_s_compute(moe):

@@ -10,7 +10,8 @@ window than an even one, and that memory is not there for resident tensors: part
 Rules shared by all policies (common.py, `base`):
 - Small tensors (norms, biases, anything under SMALL_BYTES) are always resident: together they are about 1% of a
   model, and streaming each would cost a read request per token for almost no bytes (HyperGen's size-aware
-  caching). A capacity below them and the window of streaming all else is an error (see `minimum_budget`).
+  caching). So are a mixture of experts' routers (read whole by every token, and lookahead predicts with them). A
+  capacity below them and the window of streaming all else is an error (see `minimum_budget`).
 - The tensors outside the layers (token_embd, output) stay resident unless the capacity cannot hold them. The
   output matrix is one large lump in the pipeline whose read cannot be spread over layers. It used to need a
   window buffer as big as itself (183 MiB on the 1.5B), which set the minimum budget; the runtime now reads a

@@ -25,9 +25,11 @@ def is_small(t: Tensor) -> bool:
 
 
 def always_resident(model: Model) -> set[str]:
-    """The small tensors. (A mixture of experts' expert tensors are never resident: they stream by expert, with a
-    cache of their own, expertcache.py.)"""
-    return {t.name for t in model.tensors if is_small(t) and t.kind != "expert"}
+    """The small tensors, and a mixture of experts' routers: every token reads each layer's whole, and lookahead
+    (patch 0029) puts the layer before's input through it, which it does only for a router in memory (a streamed
+    one gave the 30B-A3B shape no prediction at all: 1 MiB each, just over SMALL_BYTES). (A mixture of experts'
+    expert tensors are never resident: they stream by expert, with a cache of their own, expertcache.py.)"""
+    return {t.name for t in model.tensors if (is_small(t) or t.kind == "router") and t.kind != "expert"}
 
 
 def memory_for(model: Model, resident: Collection[str], window: int) -> int:
