@@ -151,8 +151,14 @@ OPTIONS: tuple[Option, ...] = (
            "(ablation)", ("run",), "draft", is_flag=True),
     Option("pipeline", ("--pipeline/--no-pipeline",), False, "draft on while the target verifies, under "
            "SCHED_IDLE (within noise on 2 cores: off by default)", ("run",), "draft"),
-    Option("draft_always", ("--draft-always",), False, "speculate even where the target alone is predicted faster "
-           "at --mem [default: run it alone]", ("run", "plan"), "draft", is_flag=True, key="always"),
+    Option("draft_always", ("--draft-always",), False, "load the draft where a stored history predicts the target "
+           "alone faster at --mem, and never turn it off while running [default: the run decides by measuring]",
+           ("run", "plan"), "draft", is_flag=True, key="always"),
+    Option("spec_control", ("--spec-control",), "measured", "what sizes a draft model's trees: the acceptance and "
+           "costs the run measures (depth by acceptance, the draft off where it loses), or LLMCad's confidence "
+           "rules (the reproduction's)", ("run",), "draft", choices=("measured", "llmcad"), key="control"),
+    Option("history", ("--no-history",), True, "neither read nor write the stored acceptance history of this "
+           "model pair (the run starts from the prior)", ("run", "plan"), "draft", is_flag=True, flag_value=False),
     # placement: RPC servers
     Option("rpc", ("--rpc",), None, "RPC servers (ggml-rpc-server) to place weights on: by --plan, by -ngl, or "
            "placed now with --mem (cpu=SIZE,rpc0=SIZE,...)", STREAMING, "placement",

@@ -24,11 +24,13 @@ from flexoffload.runtime.spectree import Options
 from conftest import cli, tail_logits_apart
 
 ALL_OPTIONS = {
-    "tree": Options(),
-    "chain": Options(tree=False),
-    "no-pacer": Options(pacer=False),
-    "no-adaptive": Options(adaptive=False, max_nodes=12),
-    "pipeline": Options(pipeline=True),
+    "measured": Options(),
+    "measured chain": Options(tree=False),
+    "llmcad": Options(control="llmcad"),
+    "chain": Options(control="llmcad", tree=False),
+    "no-pacer": Options(control="llmcad", pacer=False),
+    "no-adaptive": Options(control="llmcad", adaptive=False, max_nodes=12),
+    "pipeline": Options(control="llmcad", pipeline=True),
 }
 
 
@@ -114,11 +116,40 @@ def test_trees_branch_and_the_draft_is_accepted(tiny_pair):
     target, draft = tiny_pair[0], tiny_pair[1]["same"]
     settings = engine.Settings(n_ctx=256, n_batch=64, temp=0.0, strategy="mmap")
     # a fixed node budget: by default it follows measured pass times, which on a tiny model are mostly noise
-    got = speculate.run(target, settings, draft, Options(threshold=0.01, max_nodes=16), "hello world", 40)
+    got = speculate.run(target, settings, draft, Options(control="llmcad", threshold=0.01, max_nodes=16),
+                        "hello world", 40)
     t = got.timings
     assert t["n_accepted"] > len(got.tokens) // 2  # fewer target passes than tokens
     assert t["tokens_per_pass"] > 2
     assert t["tree_size_max"] > t["n_accepted"] / t["n_verify"] + 1  # more nodes than the accepted path: branches
+
+
+def test_measured_chains_go_deep_where_the_draft_is_always_right(tiny_pair):
+    """The draft is the target (every token accepted) and kept on (--draft-always): the measured rule drafts on
+    while the path stays likely, so chains reach the node budget, and the output is the target's own."""
+    target, draft = tiny_pair[0], tiny_pair[1]["same"]
+    settings = engine.Settings(n_ctx=256, n_batch=64, temp=0.0, strategy="mmap")
+    ref = _alone(target, settings, "hello world", 60)
+    got = speculate.run(target, settings, draft, Options(tree=False, always=True, max_nodes=24), "hello world", 60)
+    assert got.tokens == ref.tokens
+    t = got.timings
+    assert t["tree_size_max"] >= 16 and t["tokens_per_pass"] >= 8
+    control = t["control"]
+    assert control["draft_off_passes"] == 0 and min(control["acceptance_by_depth"][:8]) > 0.9
+
+
+def test_measured_control_turns_a_losing_draft_off_and_probes_it(tiny_pair):
+    """A draft that mostly disagrees with the target (its first two layers): the run measures its acceptance and
+    turns it off for most passes, probing it again every few; the output is the target's own."""
+    target, draft = tiny_pair[0], tiny_pair[1]["shallow"]
+    settings = engine.Settings(n_ctx=256, n_batch=64, temp=0.0, strategy="mmap")
+    ref = _alone(target, settings, "The quick brown fox", 60)
+    got = speculate.run(target, settings, draft, Options(), "The quick brown fox", 60)
+    assert got.tokens == ref.tokens
+    control = got.timings["control"]
+    assert control["draft_off_passes"] > control["passes"] // 2
+    drafted = [p for p in got.timings["passes"] if p[2] > 0]  # passes the draft drafted in: the probes among them
+    assert len(drafted) >= 2
 
 
 def _chi2_homogeneity(a: Counter, b: Counter) -> tuple[float, int]:

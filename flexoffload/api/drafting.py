@@ -19,7 +19,7 @@ from flexoffload.options import spec_types
 from flexoffload.plan import plans
 from flexoffload.plan import costmodel
 from flexoffload.plan.planners import resident_bytes
-from flexoffload.runtime import drafters, server, spectree, speculate
+from flexoffload.runtime import drafters, history, server, speccontrol, spectree, speculate
 from flexoffload.api.planning import kv_quantized, plan_for_run
 
 FREE_AUTO = ("ngram-simple", "recycle")  # --spec-type auto's free drafters where they pay, without -md
@@ -36,6 +36,10 @@ class Drafting:
     bytes: int = 0
     plan: object | None = None
     alone: bool = True  # the target alone: no tree
+    history: dict | None = None  # the stored measurements of this pair and prompt kind the decision used
+    history_path: str | None = None  # where the run keeps its own (None: --no-history)
+    kind: str = ""  # the prompt's kind (history.kind)
+    step_s: float = 0.0  # a draft step's predicted seconds
 
 
 def recycle_store(model) -> Path:
@@ -94,9 +98,11 @@ def draft_bytes(draft_model, r) -> int:
 
 
 def with_model(model, draft_model, r, limit: int | None, notes: list[str]) -> Drafting:
-    """-md: the target's plan leaves the resident draft (and the free drafters beside it) their memory. Where the
-    draft's memory makes the target stream so much more that the target alone is predicted faster, it runs alone
-    (or with free drafters, if those pay), unless --draft-always."""
+    """-md: the target's plan leaves the resident draft (and the free drafters beside it) their memory. Whether to
+    spend that memory is the one decision made before loading: by the stored history of this pair and prompt kind
+    (what earlier runs measured), where the target alone is predicted faster it runs alone (or with free drafters,
+    if those pay), unless --draft-always. Without a history the draft is loaded wherever it fits, and the run
+    decides pass by pass whether it drafts (speccontrol.Controller)."""
     given = spec_types(r.spec_type, r.draft)
     names = list(FREE_AUTO_MD) if given == ["auto"] else given
     taken = draft_bytes(draft_model, r) + drafters.table_bytes(names, model.n_vocab)
@@ -108,17 +114,23 @@ def with_model(model, draft_model, r, limit: int | None, notes: list[str]) -> Dr
         notes.append(f"flexoffload: the draft does not fit beside the target at this budget ({e}): running the "
                      f"target alone (--draft-always refuses instead)")
         return _without_draft(model, r, limit, notes, given)
-    speculating = Drafting(str(draft_model.path), tuple(names), taken, plan, alone=False)
-    if plan is None or limit is None or r.plan_dir or r.draft_always:
+    kind = history.kind(r.prompt)
+    where = history.path(cache_dir() / "speculation", file_key(model.path), file_key(draft_model.path))
+    stored = history.load(where, kind, notes) if r.history else None
+    step_s = costmodel.compute_seconds(draft_model, profiler.measure(draft_model, r.n_threads))
+    speculating = Drafting(str(draft_model.path), tuple(names), taken, plan, alone=False, history=stored,
+                           history_path=str(where) if r.history else None, kind=kind, step_s=step_s)
+    if plan is None or limit is None or r.plan_dir or r.draft_always or stored is None:
         return speculating
     alone = plan_for_run(model, r, limit)
-    draft_token_s = costmodel.compute_seconds(draft_model, profiler.measure(draft_model, r.n_threads))
-    target_token_s = costmodel.compute_seconds(model, profiler.measure(model, r.n_threads))
-    predicted = spectree.predicted_tok_s(1 / plan.predicted_tok_s, draft_token_s, target_token_s)
+    row_s = spectree.VERIFY_SHARE * costmodel.compute_seconds(model, profiler.measure(model, r.n_threads))
+    predicted = speccontrol.predicted_tok_s(speccontrol.Measured.from_json(stored), 1 / plan.predicted_tok_s,
+                                            row_s, step_s)
     if alone.predicted_tok_s <= predicted:
         return speculating
-    notes.append(f"flexoffload: the target alone is predicted faster at this budget ({alone.predicted_tok_s:.2f} "
-                 f"tok/s, with the draft {predicted:.2f}): running without -md (--draft-always speculates anyway)")
+    notes.append(f"flexoffload: by what earlier runs of this pair measured on {kind} ({where}), the target alone is "
+                 f"predicted faster at this budget ({alone.predicted_tok_s:.2f} tok/s, with the draft "
+                 f"{predicted:.2f}): running without -md (--draft-always or --no-history loads it anyway)")
     return _without_draft(model, r, limit, notes, given, alone)
 
 
@@ -131,16 +143,20 @@ def _without_draft(model, r, limit, notes, given, alone=None) -> Drafting:
     return Drafting(plan=alone if alone is not None else plan_for_run(model, r, limit))
 
 
-def tree_options(r, model, plan) -> spectree.Options:
-    """The tree's options: the user's, and what a node adds to a pass (the cost model's share of a token's
-    compute), decided here so that a child run does not measure again."""
-    node_s, hidden = 0.0, 0
+def tree_options(r, model, plan, chosen: Drafting) -> spectree.Options:
+    """The tree's options: the user's, what a node adds to a pass (the cost model's share of a token's compute),
+    and where the measured decision starts (the plan's pass, the draft's step, the history), decided here so that
+    a child run does not measure again."""
+    node_s, hidden, pass_s = 0.0, 0, 0.0
     if plan is not None and plan.predicted_tok_s:
-        node_s, hidden = spectree.node_costs(1 / plan.predicted_tok_s,
+        pass_s = 1 / plan.predicted_tok_s
+        node_s, hidden = spectree.node_costs(pass_s,
                                              costmodel.compute_seconds(model, profiler.measure(model, r.n_threads)))
     return spectree.Options(tree=r.spec == "tree", pacer=r.pacer, adaptive=r.adaptive,
                             adaptive_split=r.adaptive_split, pipeline=r.pipeline, tiled=r.tiled_verify,
-                            threshold=r.draft_p_split, max_nodes=r.draft_max, node_s=node_s, hidden_nodes=hidden)
+                            threshold=r.draft_p_split, max_nodes=r.draft_max, node_s=node_s, hidden_nodes=hidden,
+                            control=r.spec_control, pass_s=pass_s, step_s=chosen.step_s, always=r.draft_always,
+                            history=chosen.history, history_path=chosen.history_path, history_kind=chosen.kind)
 
 
 # --- serve: llama-server's own speculation -------------------------------------------------------------------------

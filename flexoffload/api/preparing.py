@@ -266,6 +266,6 @@ def prepare(request, n_seq_max: int = 1, server: bool = False) -> Prepared:
     p = Prepared(request, model, limit, plan, settings, decode_tok_s=decode_tok_s, notes=notes, mmap_plan=mmap_plan)
     if not chosen.alone:
         p.draft, p.free, p.draft_bytes = chosen.draft, chosen.free, chosen.bytes
-        p.tree = drafting.tree_options(w, model, plan)
+        p.tree = drafting.tree_options(w, model, plan, chosen)
         p.store = str(drafting.recycle_store(model)) if "recycle" in chosen.free else None
     return p

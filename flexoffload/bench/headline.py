@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Callable
 
 from flexoffload import FlexoffloadError, native
+from flexoffload.native import tools
 from flexoffload.memory import budgets
 from flexoffload.memory.budgets import MiB
 
@@ -107,6 +108,8 @@ class Record:
     same_text: str  # the text agrees with the row's first system's on this prompt and repetition ("" for the first)
     error: str
     at: str
+    commit: str = ""  # the flexoffload commit that ran it (a "+" where the tree had changes)
+    native: str = ""  # the native build's key (native.key)
 
 
 # --- the systems ------------------------------------------------------------------------------------------------
@@ -168,14 +171,14 @@ def completion(*flags: str) -> Callable[[Case], Outcome]:
     return run
 
 
-def speculative(defaults: bool) -> Callable[[Case], Outcome]:
+def speculative(defaults: bool, n_draft: int = 16) -> Callable[[Case], Outcome]:
     """llama-speculative with the case's draft: at its defaults (mmap with repacking) or with its best flags for a
-    budget (-lm mmap --no-repack, as bench/baseline.py runs it)."""
+    budget (-lm mmap --no-repack, as bench/baseline.py runs it), drafting n_draft tokens a pass."""
     def run(case: Case) -> Outcome:
         from flexoffload.bench import baseline
 
         try:
-            r = baseline.run(case.model, case.draft, case.prompt, case.n_predict, case.n_ctx, 512, N_THREADS, 16,
+            r = baseline.run(case.model, case.draft, case.prompt, case.n_predict, case.n_ctx, 512, N_THREADS, n_draft,
                              budget=case.limit, timeout=case.timeout, defaults=defaults)
         except FlexoffloadError as e:
             return Outcome(error=str(e)[:200], wall_s=case.timeout)
@@ -235,6 +238,7 @@ def measure(rows: list[Row], repetitions: int, csv_path: Path, reset: Reset = Re
         kept = [r for r in read_csv(csv_path) if r.row not in {row.name for row in rows}]
         write_csv(kept, csv_path)
     new = not csv_path.exists() or csv_path.stat().st_size == 0
+    commit, build = tools.commit(), native.key()
     with csv_path.open("a", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=[x.name for x in fields(Record)])
         if new:
@@ -258,7 +262,8 @@ def measure(rows: list[Row], repetitions: int, csv_path: Path, reset: Reset = Re
                                      limit_mb=round(case.limit / MiB, 1), wall_s=round(out.wall_s, 1),
                                      same_text="" if system is row.systems[0]
                                      else str(out.ok and agree(out.text, first)),
-                                     error=out.error, at=time.strftime("%Y-%m-%dT%H:%M:%S"))
+                                     error=out.error, at=time.strftime("%Y-%m-%dT%H:%M:%S"), commit=commit,
+                                     native=build)
                         writer.writerow(asdict(rec))
                         f.flush()
                         records.append(rec)

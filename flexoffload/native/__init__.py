@@ -48,6 +48,14 @@ def build_dir() -> Path:
     raise FlexoffloadError("the native llama.cpp build is missing: run `make setup` (scripts/build_native)")
 
 
+def key() -> str:
+    """The native build's key (scripts/build_native: the patches and the pinned source), as its folder names it."""
+    try:
+        return build_dir().resolve().parent.parent.name
+    except FlexoffloadError:
+        return ""
+
+
 def tool(name: str) -> Path:
     p = build_dir() / name
     if not p.is_file():

@@ -38,3 +38,21 @@ def run(name: str, args: list[str], timeout: float, n_threads: int | None = None
     if r.returncode != 0:
         raise failure(name, r)
     return r
+
+
+def commit(where: str | None = None) -> str:
+    """The git commit of the checkout at `where` (default: this package's), short, with "+" where its tracked
+    files have changes; "" outside a checkout. Benchmarks record it beside the native build's key."""
+    from pathlib import Path
+
+    cwd = where or str(Path(__file__).resolve().parent.parent.parent)
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short=9", "HEAD"], capture_output=True, text=True, cwd=cwd,
+                              timeout=30, stdin=subprocess.DEVNULL)
+        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD"], capture_output=True, cwd=cwd, timeout=30,
+                               stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    if head.returncode != 0:
+        return ""
+    return head.stdout.strip() + ("+" if dirty.returncode == 1 else "")

@@ -67,7 +67,8 @@ class TreeCaches:
         # branches come after the draft's and are never decoded)
         seq = tree.branches[tree.owner(decoded[-1])].seq if decoded else 0
         self.move_to_history(self.draft.ctx, seq, top, end, [b.seq for b in tree.branches if b.seq > 0])
-        c.backlog = [n.token for n in tree.path(last) if not n.decoded]
+        # what the draft has not decoded: a pass it did not draft in (speccontrol) leaves the earlier backlog too
+        c.backlog = c.backlog + [n.token for n in tree.path(last) if not n.decoded]
         c.free_seqs = list(range(self.n_seq - 1, 0, -1))
 
         if token is None:

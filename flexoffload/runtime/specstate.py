@@ -54,3 +54,4 @@ class _Call:
     pass_nodes: list[Node] = field(default_factory=list)  # the last pass's nodes, in batch order
     pass_seqs: dict[int, list[int]] = field(default_factory=dict)  # and the branches each lies on
     history: list[int] = field(default_factory=list)  # prompt and output, the tree's root last
+    control: object = None  # the measured decision (speccontrol.Controller), where it sizes the draft's trees

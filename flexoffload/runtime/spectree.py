@@ -39,10 +39,18 @@ class Options:
     max_nodes: int | None = None  # node budget; None: from the measured target pass and draft token times
     node_s: float = 0.0  # what a node adds to the target's pass (VERIFY_SHARE of its compute a token); 0: unknown
     hidden_nodes: int = 0  # nodes past the root whose compute hides under a streamed pass's reads: they cost nothing
+    # a draft model's trees: sized by what the run measures (speccontrol.py), or by LLMCad's confidence rules
+    control: str = "measured"
+    pass_s: float = 0.0  # the plan's one-token pass, seconds (0: unknown), where the measured line starts
+    step_s: float = 0.0  # a draft step's predicted seconds (0: unknown until one is measured)
+    always: bool = False  # never turn the draft off (--draft-always)
+    history: dict | None = None  # the stored measurements the run starts from (speccontrol.Measured.to_json)
+    history_path: str | None = None  # where the run's measurements are stored when it ends (None: not kept)
+    history_kind: str = ""  # the prompt's kind they are stored under (code, text)
 
 
 class Node:
-    __slots__ = ("token", "parent", "pos", "prob", "conf", "children", "decoded", "in_pass", "origins")
+    __slots__ = ("token", "parent", "pos", "prob", "conf", "children", "decoded", "in_pass", "origins", "est")
 
     def __init__(self, token: int, parent: "Node | None", pos: int, prob: float, conf: float):
         self.token, self.parent, self.pos, self.prob, self.conf = token, parent, pos, prob, conf
@@ -50,6 +58,7 @@ class Node:
         self.decoded = False  # in the draft's KV cache
         self.in_pass = False  # part of the target pass being verified
         self.origins: list = []  # (drafter, kind) of the free drafters that proposed it (drafters.merge)
+        self.est = 1.0  # the chance the target accepts its path, by the measured rates (speccontrol.py)
 
     def path_from(self, top: "Node") -> list["Node"]:
         """The nodes from top (included) down to this one."""
@@ -82,6 +91,8 @@ class Stats:
     target_s: float = 0.0
     stall_s: float = 0.0
     by_drafter: dict[str, list[int]] = field(default_factory=dict)  # drafter -> [nodes verified, accepted]
+    # each pass: [rows verified, tokens emitted, draft steps, draft s, target s, other s] (the breakdown)
+    passes: list[list] = field(default_factory=list)
 
     def to_dict(self, n_gen: int) -> dict:
         sizes = self.tree_sizes or [0]
@@ -94,6 +105,7 @@ class Stats:
             "draft_s": self.draft_s, "pipeline_draft_s": self.pipeline_draft_s,
             "target_compute_s": max(self.target_s - self.stall_s, 0.0),
             "io_stall_s": self.stall_s, "target_s": self.target_s,
+            "passes": [[round(x, 4) if isinstance(x, float) else x for x in p] for p in self.passes],
             "drafters": {name: {"n_drafted": n, "n_accepted": a, "acceptance_rate": a / n if n else 0.0}
                          for name, (n, a) in self.by_drafter.items()},
         }
@@ -157,7 +169,7 @@ class Tree:
     def __init__(self, root: Node, leaf: Node | None = None):
         """A tree at root; leaf: a chain below root drafted already (during the target's last pass), made the
         first branch with its confidences counted from the new root."""
-        root.parent, root.prob, root.conf, root.in_pass = None, 1.0, 1.0, False
+        root.parent, root.prob, root.conf, root.in_pass, root.est = None, 1.0, 1.0, False, 1.0
         for c in root.children:
             c.in_pass = False
         self.root, self.branches, self.n_nodes = root, [Branch(0, leaf or root)], 1
@@ -165,6 +177,7 @@ class Tree:
         while node is not (leaf or root):
             node = node.children[0]
             node.conf = node.parent.conf * node.prob
+            node.est = node.parent.est * node.prob  # drafted during a pass: its own confidence stands in
             self.n_nodes += 1
 
     def next_branch(self, pacer: bool) -> Branch | None:

@@ -43,8 +43,10 @@ from contextlib import ExitStack, contextmanager
 from flexoffload import FlexoffloadError
 from flexoffload.gguf.model import load
 from flexoffload.runtime import drafters as free
+from flexoffload.runtime import history
 from flexoffload.runtime.engine import Engine, Result, TextOut, stream_timings
 from flexoffload.runtime.kvcache import DEAD_SEQ, TreeCaches
+from flexoffload.runtime.speccontrol import Controller, Measured
 # FREE_NODES_MAX and draft_by_rows too: the API takes them from here (api/drafting.py)
 from flexoffload.runtime.specsettings import (FLASH_ATTN_OFF, FREE_NODES, FREE_NODES_MAX, RPC_NODES, check_settings,
                                               draft_by_rows, draft_settings, free_nodes, target_settings)
@@ -94,6 +96,13 @@ class Speculator:
         self.verifier = Verifier(self.lib, target, draft, self.options, self.drafters, self.caches, self.grower,
                                  self.n_nodes_max, self.n_vocab)
         self.call: _Call | None = None
+        # the measured decision: kept across calls (a conversation's turns), stored when the run ends (history.py)
+        self.control = None
+        if draft is not None and self.options.control == "measured":
+            o = self.options
+            self.control = Controller(o.pass_s or None, o.node_s, o.step_s or None,
+                                      Measured.from_json(o.history) if o.history else None, o.always,
+                                      self.n_nodes_max - 1)
 
     def _node_budget(self) -> int:
         """As many nodes as the draft makes in one target pass: drafting longer costs more than verifying. Free
@@ -104,6 +113,8 @@ class Speculator:
             return min(self.options.max_nodes, self.n_nodes_max)
         if self.draft is None:
             return self.n_nodes_max if self.options.node_s > 0 else min(FREE_NODES, self.n_nodes_max)
+        if self.control is not None:  # the measured rule stops the draft (speccontrol.Controller.pays)
+            return self.n_nodes_max
         if not c.t_pass or not c.t_token:
             return min(16, self.n_nodes_max)
         return max(MIN_NODES, min(self.n_nodes_max, int(c.t_pass / c.t_token)))
@@ -130,7 +141,8 @@ class Speculator:
             raise FlexoffloadError("nothing to decode: at least the prompt's last token gives the first logits")
         c = self.call = _Call(tbatch=_Batch(lib, max(t.n_batch, self.n_nodes_max), MAX_BRANCHES),
                               dbatch=_Batch(lib, d.n_batch, 1) if d else None, sampler=t._sampler(),
-                              pos_limit=self.n_ctx - 1, alpha=self.options.alpha, threshold=self.options.threshold)
+                              pos_limit=self.n_ctx - 1, alpha=self.options.alpha, threshold=self.options.threshold,
+                              control=self.control)
         for drafter in self.drafters:
             drafter.reset()
         text_out, stop = TextOut(t, on_text), "limit"
@@ -157,12 +169,16 @@ class Speculator:
                 if c.tree.root.pos + 1 >= c.pos_limit:
                     stop = "context"
                     break
-                steps0, draft0 = c.tree.n_nodes, c.stats.draft_s
+                steps0, draft0, target0 = c.tree.n_nodes, c.stats.draft_s, c.stats.target_s
+                t_step = time.perf_counter()
                 budget = min(self._node_budget(), c.pos_limit - c.tree.root.pos)
-                if d:
+                n_steps = 0
+                if d and c.control is None:
                     self.grower.draft_tree(c, budget)
+                elif d and c.control.draft_on():
+                    n_steps = self.grower.draft_measured(c, budget)
                 grown = c.tree.n_nodes - steps0
-                if grown > 0:
+                if grown > 0 and c.control is None:
                     per_token = (c.stats.draft_s - draft0) / grown
                     c.t_token = per_token if c.t_token is None else 0.5 * (c.t_token + per_token)
                 t_free = time.perf_counter()
@@ -175,6 +191,11 @@ class Speculator:
                     stop = "context"
                     break
                 c.history += out
+                draft_s, target_s = c.stats.draft_s - draft0, c.stats.target_s - target0
+                other_s = max(time.perf_counter() - t_step - draft_s - target_s, 0.0)
+                c.stats.passes.append([c.stats.tree_sizes[-1], len(out), n_steps, draft_s, target_s, other_s])
+                if c.control is not None:
+                    c.control.observe_pass(c.stats.tree_sizes[-1], target_s, n_steps, draft_s, other_s)
                 for token in out:
                     if lib.llama_vocab_is_eog(t.vocab, token):
                         stop = "eog"
@@ -195,6 +216,8 @@ class Speculator:
             timings.update(stream_timings(t_end - t_start, t.model))
         if self.drafters:
             timings["free_table_bytes"] = sum(x.table_bytes for x in self.drafters)
+        if c.control is not None:
+            timings["control"] = c.control.summary()
         return Result.of(prompt_tokens[cached:], text_out, (t_start, t_first, t_end), len(tokens) - 1,
                          t.load_s + (d.load_s if d else 0.0), t.settings.strategy + "+tree", stop, timings)
 
@@ -213,9 +236,12 @@ def loaded(target_path, settings, draft_path, options: Options, free_drafters: t
             draft = stack.enter_context(Engine(draft_path, draft_settings(settings, load(draft_path))))
             target = stack.enter_context(Engine(target_path, target_settings(settings, options.max_nodes)))
         chosen = free.make(free_drafters, target.lib.llama_vocab_n_tokens(target.vocab), store)
-        yield Speculator(target, draft, options, chosen)
+        speculator = Speculator(target, draft, options, chosen)
+        yield speculator
     for drafter in chosen:
         drafter.save()
+    if speculator.control is not None and options.history_path:
+        history.save(options.history_path, options.history_kind, speculator.control.m)
 
 
 def run(target_path, settings, draft_path, options: Options, prompt: str, n_predict: int, on_text=None,

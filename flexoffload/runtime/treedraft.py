@@ -103,6 +103,33 @@ class TreeGrower:
             if self.options.adaptive and tree.confidence() < c.alpha:
                 return
 
+    def draft_measured(self, c: _Call, budget: int) -> int:
+        """Draft steps by the run's measurements (speccontrol.Controller): each on the branch whose next node the
+        target is likeliest to accept (its path's measured rates), while that chance pays for the node, up to
+        budget nodes. The draft steps taken."""
+        tree, control = c.tree, c.control
+        m, steps = control.m, 0
+        while tree.n_nodes < budget:
+            best, best_p, best_depth = None, 0.0, 0
+            for b in tree.branches:
+                if b.done or b.seq < 0:
+                    continue
+                depth = b.leaf.pos - tree.root.pos + 1
+                p = b.leaf.est * m.rate(depth)
+                if p > best_p:
+                    best, best_p, best_depth = b, p, depth
+            if best is None or not control.pays(best_p, best_depth):
+                return steps
+            parent = best.leaf
+            added = self.grow(c, best, siblings=self.options.tree)
+            if added is None:
+                return steps
+            steps += 1
+            side = m.side_rate()
+            for rank, node in enumerate(added):
+                node.est = parent.est * (m.rate(best_depth) if rank == 0 else side)
+        return steps
+
     # --- the free drafters ---------------------------------------------------------------------------------------
 
     def add_free(self, c: _Call, budget: int) -> None:

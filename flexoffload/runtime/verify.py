@@ -106,6 +106,12 @@ class Verifier:
         c.stats.n_accepted += accepted
         c.stats.n_emitted += len(out)
         self._judge(c, nodes, last)
+        if c.control is not None:  # the draft's nodes whose parent the target accepted, by depth and rank
+            kept = set(map(id, tree.path(last)))
+            for n in nodes[1:]:
+                rank = next((k for d, k in n.origins if d is None), None)
+                if rank is not None and id(n.parent) in kept:
+                    c.control.observe_node(n.pos - tree.root.pos, rank, id(n) in kept)
         if self.draft is not None:  # the draft's thresholds adapt to what the target made of the draft's own nodes
             path = tree.path(last)
             k = next((i for i, n in enumerate(path) if i and not _by_model(n)), len(path))
