@@ -154,6 +154,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("draft_always", ("--draft-always",), False, "load the draft where a stored history predicts the target "
            "alone faster at --mem, and never turn it off while running [default: the run decides by measuring]",
            ("run", "plan"), "draft", is_flag=True, key="always"),
+    Option("draft_quant", ("--draft-quant",), "auto", "the draft's weights: at its own types, all Q4_0 (a copy "
+           "made once and cached), or auto: the one predicted fastest by measured acceptance and the memory each "
+           "leaves the target", ("run", "plan"), "draft", choices=("auto", "own", "q4_0"), key="quant"),
     Option("spec_control", ("--spec-control",), "measured", "what sizes a draft model's trees: the acceptance and "
            "costs the run measures (depth by acceptance, the draft off where it loses), or LLMCad's confidence "
            "rules (the reproduction's)", ("run",), "draft", choices=("measured", "llmcad"), key="control"),
@@ -244,8 +247,8 @@ def _check_draft(d) -> None:
     if d.spec not in ("tree", "chain"):
         raise FlexoffloadError(f"unknown speculation shape {d.spec!r}: tree or chain")
     spec_types(d.spec_type, d.model)
-    if d.model and d.max is not None and not 2 <= d.max <= MAX_NODES:
-        raise FlexoffloadError(f"--draft-max must be between 2 and {MAX_NODES}")
+    if d.max is not None and (d.max < 1 or (d.model and not 2 <= d.max <= MAX_NODES)):
+        raise FlexoffloadError(f"--draft-max must be between 2 and {MAX_NODES} with -md, at least 1 without it")
     if not 0 < d.p_split <= 1:
         raise FlexoffloadError("--draft-p-split must be in (0, 1]")
 

@@ -285,8 +285,7 @@ def main() -> None:
     ap.add_argument("--configs", default=env("CONFIGS", ",".join(CONFIGS)))
     ap.add_argument("--prompts", type=int, default=int(env("PROMPTS", "4")), help="evaluation prompts (of 40-163)")
     ap.add_argument("--on-tuning", action="store_true", default=bool(env("ON_TUNING")),
-                    help="measure on the tuning prompts (of 0-39) instead: what speculation yields, to set "
-                         "spectree.TOKENS_PER_PASS and DRAFT_STEPS")
+                    help="measure on the tuning prompts (of 0-39) instead: what speculation yields there")
     ap.add_argument("--tune-prompts", type=int, default=int(env("TUNE_PROMPTS", "2")), help="tuning prompts (of 0-39)")
     ap.add_argument("--plain", type=int, default=int(env("PLAIN", "0")), help="plain-language evaluation prompts")
     ap.add_argument("--plain-tune", type=int, default=int(env("PLAIN_TUNE", "2")),

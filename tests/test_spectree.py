@@ -32,15 +32,6 @@ def test_alpha_halves_when_all_correct_and_is_the_error_fraction_otherwise():
     assert spectree.next_alpha(0.5, 0, 2) == pytest.approx(1.0)
 
 
-def test_speculation_is_predicted_to_pay_only_where_the_target_waits_on_its_reads():
-    """A tree's pass costs compute per node: with every weight in memory (a pass is compute) the target alone is
-    predicted faster; where a pass is mostly reading, the draft's tokens pay."""
-    compute, draft = 0.045, 0.012  # the 1.5B target's and the 0.5B draft's seconds a token from memory
-    assert spectree.predicted_tok_s(compute, draft, compute) < 1 / compute
-    assert spectree.predicted_tok_s(0.25, draft, compute) > 1 / 0.25
-    assert spectree.predicted_tok_s(0.25, draft, compute) < spectree.predicted_tok_s(0.25, draft, 0.0)
-
-
 def test_path_from_walks_down_from_the_top():
     root = Node(1, None, 5, 1.0, 1.0)
     a = Node(2, root, 6, 0.5, 0.5)

@@ -6,6 +6,7 @@ import math
 import os
 from collections import Counter
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -318,20 +319,40 @@ def test_real_greedy_speculation_equals_the_target_at_any_tree_size(real_model, 
 
 
 @pytest.mark.integration
-def test_real_speculation_runs_the_target_alone_where_that_is_predicted_faster(real_model, draft_model):
-    """At 1.3x the target alone streams little, and the draft's memory would make it stream much more: `run -md`
-    says so and runs the target alone; --draft-always speculates all the same, to the same tokens."""
+def test_real_speculation_runs_the_target_alone_where_its_history_predicts_that_faster(real_model, draft_model):
+    """A stored history of this pair in which the target rejected nearly every drafted token: `run -md` says so and
+    runs the target alone; --no-history (or --draft-always) loads the draft all the same, to the same tokens; a
+    history that cannot be read is ignored with a note. The session's history file is put back as it was."""
+    from flexoffload.api import drafting
+    from flexoffload.runtime import history, speccontrol
+
     common = ["-m", str(real_model), "-md", str(draft_model), "-p", "def f():", "-n", "8", "-c", "512", "-b", "64",
-              "--temp", "0", "--mem", "1.3x", "--json"]
-    alone = cli("run", *common, "--enforce", check=True)  # decided before the cgroup's run, which has no -md
-    assert "the target alone is predicted faster" in alone.stderr
-    alone_out = json.loads(alone.stdout)
-    assert alone_out["enforced"] and "draft" not in alone_out and "n_verify" not in alone_out["timings"]
-    forced = cli("run", *common, "--draft-always", check=True)
-    assert "predicted faster" not in forced.stderr
-    forced_out = json.loads(forced.stdout)
-    assert forced_out["draft"]["path"] == str(draft_model) and forced_out["timings"]["n_verify"] >= 1
-    assert forced_out["tokens"] == alone_out["tokens"]
+              "--temp", "0", "--mem", "0.8x", "--json"]
+    where = drafting.history_file(real_model, draft_model)
+    kept = where.read_bytes() if where.is_file() else None
+    try:
+        history.save(where, history.kind("def f():"), speccontrol.Measured([0.2] * 4, [20.0] * 4, [0.1, 20.0],
+                                                                          0.05, 0.05))
+        alone = cli("run", *common, "--enforce", check=True)  # decided before the cgroup's run, which has no -md
+        assert "the target alone is predicted faster" in alone.stderr and str(where) in alone.stderr
+        alone_out = json.loads(alone.stdout)
+        assert alone_out["enforced"] and "draft" not in alone_out and "n_verify" not in alone_out["timings"]
+        for flag in ("--no-history", "--draft-always"):
+            forced = cli("run", *common, flag, check=True)
+            assert "predicted faster" not in forced.stderr
+            forced_out = json.loads(forced.stdout)
+            assert forced_out["draft"]["path"] == str(draft_model) and forced_out["timings"]["n_verify"] >= 1
+            assert forced_out["tokens"] == alone_out["tokens"]
+        where.write_text('{"pair": "' + where.stem + '", "kinds": {"code": {"accepted": [1.0, ')  # truncated
+        broken = cli("run", *common, check=True)
+        assert "ignoring the speculation history" in broken.stderr
+        assert json.loads(broken.stdout)["timings"]["n_verify"] >= 1
+        assert history.load(where, "code", []) is not None  # the run stored its own in its place
+    finally:
+        if kept is None:
+            where.unlink(missing_ok=True)
+        else:
+            where.write_bytes(kept)
 
 
 # --- speculation with -ub, -fa and the KV cache's types ---------------------------------------------------------
@@ -435,3 +456,51 @@ def test_real_greedy_speculation_with_ubatch_and_quantized_cache_equals_the_targ
         got = speculate.run(real_model, settings, draft_model, Options(), prompt, 40)
         assert got.tokens == ref.tokens, prompt
         assert got.timings["tokens_per_pass"] > 1.5 and got.timings["tree_size_max"] <= 16
+
+
+def test_bad_drafting_input_is_one_line_before_loading(tiny_pair, tmp_path):
+    """A draft with another vocabulary, a draft larger than the budget, a --draft-max below 1 (or below 2 with
+    -md), an unknown --spec-type and a -md that is not a GGUF: each one line and a non-zero exit, nothing loaded."""
+    target = tiny_pair[0]
+    other = synth.write(tmp_path / "other-vocab.gguf", shape=replace(synth.TINY, n_vocab=512), seed=3)
+    text = tmp_path / "notes.gguf"
+    text.write_text("not a model")
+    common = ["-m", str(target), "-p", "hello", "-n", "4", "--temp", "0"]
+    cases = {("-md", str(other)): "another vocabulary",
+             ("-md", str(target), "--mem", "64K"): "larger than the whole budget",
+             ("-md", str(tiny_pair[1]["shallow"]), "--draft-max", "1"): "--draft-max must be",
+             ("--draft-max", "0"): "--draft-max must be",
+             ("--draft-max", "-3"): "--draft-max must be",
+             ("--spec-type", "bogus"): "unknown --spec-type",
+             ("-md", str(text)): "not a GGUF file"}
+    for flags, said in cases.items():
+        r = cli("run", *common, *flags)
+        lines = [x for x in r.stderr.splitlines() if x.strip()]
+        assert r.returncode != 0 and said in r.stderr and "Traceback" not in r.stderr, (flags, r.stderr)
+        assert len(lines) == 1, (flags, r.stderr)
+
+
+def test_the_draft_s_q4_0_copy_is_made_once_cached_and_chosen(private_cache, tmp_path):
+    """A draft at F32 beside a Q4_0 target: --draft-quant auto finds its Q4_0 copy leaves the target more memory
+    (with the prior's acceptance for both) and runs it, made once into the cache and reused; --draft-quant own
+    runs the file as given. Greedy output is the target's own either way."""
+    shape = synth.Shape(n_layer=2, n_embd=256, n_ff=512, n_head=4, n_head_kv=2, n_vocab=384, n_ctx_train=1024)
+    target = synth.write(tmp_path / "target.gguf", shape, seed=1, output_seed=2, output_scale=10)
+    draft = synth.write(tmp_path / "draft.gguf", replace(shape, n_layer=1), qtype="F32", seed=1, output_seed=2,
+                        output_scale=10)
+    common = ["-m", str(target), "-md", str(draft), "-p", "def add(a, b):", "-n", "24", "--temp", "0", "-c", "256",
+              "--mem", "300M", "--json"]
+    alone = json.loads(cli("run", *common[:2], *common[4:], "--spec-type", "none", check=True).stdout)
+    chosen = cli("run", *common, check=True)
+    assert "running it at all Q4_0" in chosen.stderr and "making the draft's Q4_0 copy" in chosen.stderr
+    out = json.loads(chosen.stdout)
+    copy = Path(out["draft"]["path"])
+    assert copy.parent == private_cache / "mixed" and copy.is_file()
+    assert load(copy).file_size < load(draft).file_size / 4
+    assert out["tokens"] == alone["tokens"]
+    # the copy is reused (without the history the first run left: the copy's measured acceptance against the file's
+    # prior would decide otherwise, as it should)
+    again = cli("run", *common, "--no-history", check=True)
+    assert "making the draft's" not in again.stderr and json.loads(again.stdout)["draft"]["path"] == str(copy)
+    own = json.loads(cli("run", *common, "--draft-quant", "own", check=True).stdout)
+    assert own["draft"]["path"] == str(draft) and own["tokens"] == alone["tokens"]

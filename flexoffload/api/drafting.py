@@ -14,10 +14,10 @@ from flexoffload import FlexoffloadError
 from flexoffload.defaults import cache_dir, file_key
 from flexoffload.gguf import catalog
 from flexoffload.gguf.model import load
-from flexoffload.measure import probe, profiler, tuning
+from flexoffload.measure import probe, profiler, requantize, tuning
 from flexoffload.options import spec_types
 from flexoffload.plan import plans
-from flexoffload.plan import costmodel
+from flexoffload.plan import costmodel, qtypes
 from flexoffload.plan.planners import resident_bytes
 from flexoffload.runtime import drafters, history, server, speccontrol, spectree, speculate
 from flexoffload.api.planning import kv_quantized, plan_for_run
@@ -97,40 +97,120 @@ def draft_bytes(draft_model, r) -> int:
     return resident_bytes(draft_model, run, speculate.draft_by_rows(draft_model))
 
 
+def history_file(target: Path, draft: Path) -> Path:
+    """Where runs of this target and draft keep what they measured (runtime/history.py)."""
+    return history.path(cache_dir() / "speculation", file_key(target), file_key(draft))
+
+
+SMALLER = "Q4_0"  # the smaller draft's type (the 0.5B's 896-wide rows take no K-quant: they fall back)
+
+
+@dataclass
+class _Candidate:
+    """A draft -md could run with: the file as given, or its SMALLER copy (made only once chosen)."""
+    label: str
+    types: dict  # the copy's types ({}: the file as given)
+    taken: int  # what it takes out of the target's budget, with the free drafters' tables
+    step_s: float  # a draft step's predicted seconds
+    path: Path | None  # its file (None: the copy is not made yet)
+    plan: object = None
+    predicted: float = 0.0
+    stored: dict | None = None
+    where: Path | None = None  # the history it was predicted by
+
+
+def smaller_types(draft_model) -> dict[str, str]:
+    """Every weight matrix of the draft at SMALLER, where that is smaller than its own type."""
+    return {t.name: SMALLER for t in draft_model.tensors
+            if qtypes.quantizable(t) and qtypes.tensor_bytes(t, SMALLER) < t.n_bytes}
+
+
+def _candidates(draft_model, r, table: int) -> list[_Candidate]:
+    """The drafts --draft-quant allows: the file as given and its SMALLER copy, each with what it would take (the
+    copy's weights computed from its types, the rest as the file's) and its predicted step (a step reads every
+    resident weight: its time follows their bytes)."""
+    own_taken = draft_bytes(draft_model, r) + table
+    step_s = costmodel.compute_seconds(draft_model, profiler.measure(draft_model, r.n_threads))
+    out = [_Candidate("its own types", {}, own_taken, step_s, Path(draft_model.path))] if r.draft_quant != "q4_0" \
+        else []
+    types = smaller_types(draft_model) if r.draft_quant != "own" else {}
+    if types:
+        by_rows = set(speculate.draft_by_rows(draft_model))
+        resident = [t for t in draft_model.tensors if t.name not in by_rows]
+        own = sum(t.n_bytes for t in resident)
+        smaller = sum(qtypes.tensor_bytes(t, types[t.name]) if t.name in types else t.n_bytes for t in resident)
+        made = requantize.mixed_path(draft_model, types, None)
+        out.append(_Candidate(f"all {SMALLER}", types, own_taken - (own - smaller), step_s * smaller / own,
+                              made if made.is_file() else None))
+    return out
+
+
 def with_model(model, draft_model, r, limit: int | None, notes: list[str]) -> Drafting:
-    """-md: the target's plan leaves the resident draft (and the free drafters beside it) their memory. Whether to
-    spend that memory is the one decision made before loading: by the stored history of this pair and prompt kind
-    (what earlier runs measured), where the target alone is predicted faster it runs alone (or with free drafters,
-    if those pay), unless --draft-always. Without a history the draft is loaded wherever it fits, and the run
-    decides pass by pass whether it drafts (speccontrol.Controller)."""
+    """-md: the target's plan leaves the resident draft (and the free drafters beside it) their memory. The decisions
+    made before loading are the memory's: which draft (its own types or a smaller copy, by the speed predicted from
+    measured acceptance and the memory each leaves the target), and whether to spend memory on one at all: where
+    the stored history of this pair and prompt kind (what earlier runs measured) predicts the target alone faster,
+    it runs alone (or with free drafters, if those pay), unless --draft-always. Without a history the draft is
+    loaded wherever it fits, and the run decides pass by pass whether it drafts (speccontrol.Controller)."""
+    if draft_model.n_vocab != model.n_vocab:
+        raise FlexoffloadError(f"the draft {draft_model.path.name} has another vocabulary ({draft_model.n_vocab} "
+                               f"tokens, the target {model.n_vocab}): a draft must share the target's tokens")
+    if limit is not None and draft_model.file_size >= limit:
+        raise FlexoffloadError(f"the draft {draft_model.path.name} ({draft_model.file_size / 2**20:.0f} MiB) is "
+                               f"larger than the whole budget ({limit / 2**20:.0f} MiB)")
     given = spec_types(r.spec_type, r.draft)
     names = list(FREE_AUTO_MD) if given == ["auto"] else given
-    taken = draft_bytes(draft_model, r) + drafters.table_bytes(names, model.n_vocab)
-    try:
-        plan = plan_for_run(model, r, limit, tree_outputs(r), spectree.MAX_BRANCHES + 1, taken)
-    except FlexoffloadError as e:
+    kind = history.kind(r.prompt)
+    row_s = spectree.VERIFY_SHARE * costmodel.compute_seconds(model, profiler.measure(model, r.n_threads))
+    fits, why = [], None
+    for c in _candidates(draft_model, r, drafters.table_bytes(names, model.n_vocab)):
+        try:
+            c.plan = plan_for_run(model, r, limit, tree_outputs(r), spectree.MAX_BRANCHES + 1, c.taken)
+        except FlexoffloadError as e:
+            why = why or e
+            continue
+        # a copy not made yet has no history of its own: the file's stands in
+        c.where = history_file(model.path, c.path or draft_model.path)
+        c.stored = history.load(c.where, kind, notes) if r.history else None
+        if c.plan is not None and c.plan.predicted_tok_s:
+            c.predicted = speccontrol.predicted_tok_s(speccontrol.Measured.from_json(c.stored) if c.stored
+                                                      else speccontrol.Measured(), 1 / c.plan.predicted_tok_s,
+                                                      row_s, c.step_s)
+        fits.append(c)
+    if not fits:
         if r.draft_always or limit is None or r.plan_dir:
-            raise
-        notes.append(f"flexoffload: the draft does not fit beside the target at this budget ({e}): running the "
+            raise why
+        notes.append(f"flexoffload: the draft does not fit beside the target at this budget ({why}): running the "
                      f"target alone (--draft-always refuses instead)")
         return _without_draft(model, r, limit, notes, given)
-    kind = history.kind(r.prompt)
-    where = history.path(cache_dir() / "speculation", file_key(model.path), file_key(draft_model.path))
-    stored = history.load(where, kind, notes) if r.history else None
-    step_s = costmodel.compute_seconds(draft_model, profiler.measure(draft_model, r.n_threads))
-    speculating = Drafting(str(draft_model.path), tuple(names), taken, plan, alone=False, history=stored,
-                           history_path=str(where) if r.history else None, kind=kind, step_s=step_s)
-    if plan is None or limit is None or r.plan_dir or r.draft_always or stored is None:
+    best = max(fits, key=lambda c: (c.predicted, -c.taken))  # a tie: the one leaving the target more
+    if len(fits) > 1:
+        other = next(c for c in fits if c is not best)
+        def said(c):
+            return (f"at {c.label} ({c.taken / 2**20:.0f} MiB with its context, "
+                    f"{'measured' if c.stored else 'prior'} acceptance) {c.predicted:.2f} tok/s")
+        notes.append(f"flexoffload: -md: the draft is predicted {said(best)}, {said(other)}, by the memory each "
+                     f"leaves the target: running it at {best.label}")
+    elif r.draft_quant == "auto" and best.types == {} and limit is not None:
+        notes.append(f"flexoffload: -md: the draft's {SMALLER} copy does not fit beside the target either ({why})")
+    path = best.path
+    if best.types and path is None:  # made once, then cached
+        notes.append(f"flexoffload: making the draft's {SMALLER} copy (once, cached)")
+        path = requantize.requantize(draft_model, best.types, n_threads=r.n_threads)
+        made = load(path)
+        best.taken = draft_bytes(made, r) + drafters.table_bytes(names, model.n_vocab)
+        best.plan = plan_for_run(model, r, limit, tree_outputs(r), spectree.MAX_BRANCHES + 1, best.taken)
+    where = history_file(model.path, path)
+    speculating = Drafting(str(path), tuple(names), best.taken, best.plan, alone=False, history=best.stored,
+                           history_path=str(where) if r.history else None, kind=kind, step_s=best.step_s)
+    if best.plan is None or limit is None or r.plan_dir or r.draft_always or best.stored is None:
         return speculating
     alone = plan_for_run(model, r, limit)
-    row_s = spectree.VERIFY_SHARE * costmodel.compute_seconds(model, profiler.measure(model, r.n_threads))
-    predicted = speccontrol.predicted_tok_s(speccontrol.Measured.from_json(stored), 1 / plan.predicted_tok_s,
-                                            row_s, step_s)
-    if alone.predicted_tok_s <= predicted:
+    if alone.predicted_tok_s <= best.predicted:
         return speculating
-    notes.append(f"flexoffload: by what earlier runs of this pair measured on {kind} ({where}), the target alone is "
-                 f"predicted faster at this budget ({alone.predicted_tok_s:.2f} tok/s, with the draft "
-                 f"{predicted:.2f}): running without -md (--draft-always or --no-history loads it anyway)")
+    notes.append(f"flexoffload: by what earlier runs of this pair measured on {kind} ({best.where}), the target "
+                 f"alone is predicted faster at this budget ({alone.predicted_tok_s:.2f} tok/s, with the draft "
+                 f"{best.predicted:.2f}): running without -md (--draft-always or --no-history loads it anyway)")
     return _without_draft(model, r, limit, notes, given, alone)
 
 
@@ -165,7 +245,8 @@ SERVER_FREE = ("ngram-simple", "ngram-map-k")  # run's free drafters llama-serve
 SERVER_DRAFT_N_MAX = 3  # the draft model's tokens a step (llama-server's --spec-draft-n-max default)
 # The draft model's tokens the target accepts a step, each given the one before: llama-speculative with the 0.5B
 # drafting the 1.5B gave 2.7-3.0 tokens a pass at n-max 2 and 4.4-4.8 at n-max 4 (HumanEval 0, 20;
-# results/llmcad_qwen_08.csv): 1 + a + a^2 = 2.83 at a = 0.9. Used only to predict whether a draft model pays.
+# results/llmcad_qwen_08.csv): 1 + a + a^2 = 2.71 at a = 0.9 (4.4-4.8 at n-max 4 implies a of 0.94-0.97). Used only
+# to predict whether a draft model pays.
 SERVER_ACCEPT = 0.9
 
 

@@ -14,11 +14,6 @@ ALPHA = 0.01  # starting fallback threshold on the tree-cumulative confidence (L
 MAX_BRANCHES = 16  # sequences per model: branches alive in one tree
 MAX_NODES = 48  # cap on the tree's node budget (the target's batch, and its logits rows)
 MIN_NODES = 4
-# What a tree yields over the tuning prompts (HumanEval 0, 5, ..., 35; the tree with the defaults at 0.8x, -n 64;
-# results/llmcad_tune.csv): tokens per target pass (509 in 59 passes), and draft steps per tree (its nodes, 14.6 a
-# pass). Used only to predict whether speculation pays at a budget (predicted_tok_s).
-TOKENS_PER_PASS = 8.6
-DRAFT_STEPS = 14.6
 # What verifying costs beyond a one-token pass: each further node of the tree, a share of the target's compute per
 # token with every weight in memory. Verification uses the one-token kernels (patch 0009), so the nodes are near
 # linear in compute: 17-token tree passes took 0.51-0.64 s, 9-token ones 0.32-0.45 s, against 0.045 s for one token
@@ -109,14 +104,6 @@ class Stats:
             "drafters": {name: {"n_drafted": n, "n_accepted": a, "acceptance_rate": a / n if n else 0.0}
                          for name, (n, a) in self.by_drafter.items()},
         }
-
-
-def predicted_tok_s(pass_s: float, draft_token_s: float, target_token_s: float) -> float:
-    """The decode speed speculation can be expected to reach: TOKENS_PER_PASS tokens for one target pass over a tree
-    of DRAFT_STEPS nodes past its root and DRAFT_STEPS draft tokens (draft_token_s each). The pass: a one-token pass
-    by the target's plan with the draft's memory taken out (pass_s), and VERIFY_SHARE of the target's compute per
-    token (target_token_s, every weight in memory) for each further node."""
-    return TOKENS_PER_PASS / (pass_s + DRAFT_STEPS * (draft_token_s + VERIFY_SHARE * target_token_s))
 
 
 def node_costs(pass_s: float, token_s: float) -> tuple[float, int]:

@@ -1,0 +1,126 @@
+"""The measured decision of a speculating run (runtime/speccontrol.py) and its history (runtime/history.py), without
+llama.cpp: acceptances and timings forced, the decisions checked."""
+
+import json
+
+import pytest
+
+from flexoffload.runtime import history, speccontrol
+from flexoffload.runtime.speccontrol import PROBE, Controller, Measured
+
+STEP, ROW, PASS = 0.03, 0.02, 0.5  # a draft step, a target row, a streamed one-token pass (seconds)
+
+
+def _measured(rate: float, depth: int = 24, weight: float = 50.0) -> Measured:
+    return Measured([rate * weight] * depth, [weight] * depth)
+
+
+def _feed(control: Controller, rate: float, passes: int, rows: int = 9) -> list[bool]:
+    """passes passes in which the draft's top tokens are accepted at `rate` at every depth (as counts of a
+    deterministic pattern), the target's pass following the line PASS + ROW a row; whether the draft drafted."""
+    on = []
+    for i in range(passes):
+        drafting = control.draft_on()
+        on.append(drafting)
+        if drafting:
+            for depth in range(1, rows):
+                control.observe_node(depth, 0, (i * rows + depth) % 100 < rate * 100)
+        n = rows if drafting else 1
+        control.observe_pass(n, PASS + ROW * (n - 1), (n - 1) if drafting else 0, STEP * (n - 1), 0.0)
+    return on
+
+
+def test_the_chain_goes_deep_where_the_draft_is_right_and_stops_where_it_is_not():
+    deep, rate = speccontrol.best_depth(_measured(0.95), PASS, ROW, STEP)
+    assert deep >= 12 and rate > 4 / PASS  # several tokens a pass for about the price of one
+    short, _ = speccontrol.best_depth(_measured(0.6), PASS, ROW, STEP)
+    assert 1 <= short < deep
+    # where the pass is as cheap as a draft step, nothing pays
+    assert speccontrol.best_depth(_measured(0.6), STEP, ROW, STEP)[0] == 0
+    # a chain's yield: 1 + a + a^2 + ... (Leviathan et al.)
+    assert speccontrol.chain_yield(_measured(0.9), 3) == pytest.approx(1 + 0.9 + 0.81 + 0.729, rel=0.02)
+
+
+def test_the_rate_at_a_depth_seldom_reached_leans_on_the_pooled_rate():
+    m = Measured([9.0, 0.0], [10.0, 0.5])  # depth 1 right 9 of 10; depth 2 seen half a time, never right
+    assert m.rate(1) > 0.8
+    assert 0.5 < m.rate(2) < m.rate(1)  # pulled toward the pooled rate, not 0
+    assert m.rate(5) == pytest.approx(m.rate(3))  # past what was reached: the pooled rate
+
+
+def test_a_losing_draft_is_turned_off_probed_and_turned_on_when_it_pays():
+    control = Controller(PASS, ROW, STEP)
+    on = _feed(control, 0.1, 3 * PROBE)  # a draft the target rejects: off, and probed every PROBE passes
+    assert not all(on[PROBE:])
+    off_runs = "".join("1" if x else "0" for x in on[2:]).split("1")
+    assert max(len(r) for r in off_runs) == PROBE - 1  # never off longer than until the next probe
+    assert control.n_off > PROBE
+    on = _feed(control, 0.97, 4 * PROBE)  # the text turns predictable: the next probe finds it pays, and it stays
+    assert all(on[-2 * PROBE:])
+    assert control.plan()[0] >= 8
+
+
+def test_always_keeps_the_draft_on_and_the_nodes_follow_the_measured_rates():
+    control = Controller(PASS, ROW, STEP, always=True)
+    assert all(_feed(control, 0.1, 2 * PROBE))
+    control = Controller(PASS, ROW, STEP, measured=_measured(0.95))
+    assert control.pays(0.9, 1) and control.pays(0.6, 10)
+    assert not control.pays(0.01, 10)
+
+
+def test_the_pass_line_follows_what_the_passes_measure():
+    control = Controller(0.1, 0.001, STEP)  # the plan predicted a fast pass; the run's passes are slower
+    for n in (1, 5, 9, 13, 1, 5, 9, 13) * 3:
+        control.observe_pass(n, 0.4 + 0.03 * (n - 1), 0, 0.0, 0.0)
+    pass_s, row_s = control.line()
+    assert pass_s == pytest.approx(0.4, rel=0.1) and row_s == pytest.approx(0.03, rel=0.2)
+
+
+def test_a_history_round_trips_and_scales_to_a_few_observations(tmp_path):
+    path = history.path(tmp_path, "target", "draft")
+    m = _measured(0.9, depth=4, weight=100.0)
+    m.draft_step_s, m.row_s = 0.03, 0.02
+    history.save(path, "code", m)
+    history.save(path, "text", _measured(0.5, depth=2))
+    notes = []
+    stored = history.load(path, "code", notes)
+    assert notes == [] and stored["draft_step_s"] == 0.03
+    back = Measured.from_json(stored)
+    assert back.rate(2) == pytest.approx(m.rate(2), abs=0.02)
+    assert max(back.reached) <= speccontrol.HISTORY_WEIGHT  # a run's own passes soon outweigh it
+    assert history.load(path, "text", notes) is not None and history.load(path, "chat", notes) is None
+
+
+@pytest.mark.parametrize("content", ['{"pair": "target-draft", "kinds": {"code": {"accep', "not json",
+                                     '{"pair": "other-pair", "kinds": {}}',
+                                     '{"pair": "target-draft", "kinds": {"code": {"accepted": [5], "reached": [2], '
+                                     '"side": [1, 2]}}}', "[1, 2]"])
+def test_a_truncated_foreign_or_impossible_history_is_ignored_with_a_note(tmp_path, content):
+    path = history.path(tmp_path, "target", "draft")
+    path.write_text(content)
+    notes = []
+    assert history.load(path, "code", notes) is None
+    assert len(notes) == 1 and "ignoring the speculation history" in notes[0]
+    history.save(path, "code", _measured(0.9, depth=2))  # and the next run's replaces it
+    assert json.loads(path.read_text())["pair"] == "target-draft"
+    assert history.load(path, "code", []) is not None
+
+
+def test_a_prompt_s_kind():
+    assert history.kind("def f(x):\n    return x + 1\n") == "code"
+    assert history.kind("Write a short letter to a friend about your holiday.") == "text"
+    assert history.kind("") == "text"
+
+
+def test_speculation_is_predicted_to_pay_only_where_the_target_waits_on_its_reads():
+    """A chain's pass costs a row of compute per node: with every weight in memory (a pass is compute) the target
+    alone is predicted faster at the prior's acceptance; where a pass is mostly reading, the draft's tokens pay."""
+    compute, draft = 0.045, 0.012  # the 1.5B target's and the 0.5B draft's seconds a token from memory
+    row = 0.7 * compute
+    prior = Measured()
+    assert speccontrol.predicted_tok_s(prior, compute, row, draft) == pytest.approx(1 / compute)
+    assert speccontrol.predicted_tok_s(prior, 0.25, row, draft) > 1.5 / 0.25
+    measured = _measured(0.95)
+    measured.draft_step_s = 0.1  # a history's measured step outweighs the cost model's
+    assert speccontrol.predicted_tok_s(measured, 0.25, row, draft) < speccontrol.predicted_tok_s(_measured(0.95), 0.25,
+                                                                                                  row, draft)
