@@ -748,7 +748,7 @@ def test_speculating_server_gives_runs_greedy_text(kquant_model, kquant_draft, h
     """llama-server's own speculation (an n-gram drafter; a draft model whose drafts are mostly rejected; the target
     as its own draft, every draft accepted): three clients at once on two sequences, each greedy text is `run`'s for
     its prompt alone (the near-tie K-quant model: a pass that rounded otherwise would show), and the responses'
-    timings count drafts. Both sides with row-by-row kernels (serve sets them for speculation itself)."""
+    timings count drafts: short ones where they are rejected, the longest where accepted (patch 0030). Both sides with row-by-row kernels (serve sets them for speculation itself)."""
     monkeypatch.setenv("GGML_CPU_TILED_MM", "0")
     alone = {p: run_text(kquant_model, p, 128, "-c", "1024") for p in SPECULATION_PROMPTS}
     flags = {"ngram-simple": ["--spec-type", "ngram-simple"], "draft": ["-md", str(kquant_draft)],
@@ -757,7 +757,7 @@ def test_speculating_server_gives_runs_greedy_text(kquant_model, kquant_draft, h
     with Serving("-m", str(kquant_model), "-c", "1024", "-np", "2", *flags) as s:
         ready = "".join(s.lines)
         assert {"ngram-simple": "speculating: ngram-simple up to 16 tokens",
-                "draft": "speculating: draft.gguf drafts 3",
+                "draft": "speculating: draft.gguf drafts 8",
                 "draft-is-target": "speculating: kquant.gguf drafts 4"}[how] in ready, ready
         cmd = Path(f"/proc/{s.server_pid}/cmdline").read_bytes().split(b"\0")
         assert cmd[cmd.index(b"--spec-type") + 1] == (b"ngram-simple" if how == "ngram-simple" else b"draft-simple")
@@ -778,8 +778,14 @@ def test_speculating_server_gives_runs_greedy_text(kquant_model, kquant_draft, h
         assert drafted > 0, answers
         if how != "draft":
             assert accepted > 0, answers
+        # a draft's length follows the sequence's measured acceptance (patch 0030): short where the target rejects
+        # the draft (upstream drafts n-max, 8, every pass), n-max where it accepts every token
+        passes = sum(t["predicted_n"] - 1 - t.get("draft_n_accepted", 0) for _, t in answers.values())
+        if how == "draft":
+            assert drafted / passes < 3, answers
         if how == "draft-is-target":
             assert accepted == drafted  # the target drafting itself: every draft is its own greedy token
+            assert drafted / passes > 3, answers
         assert s.metric("llamacpp:tokens_predicted_total") == 3 * 128
         s.stop()
 

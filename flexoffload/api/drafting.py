@@ -242,7 +242,11 @@ def tree_options(r, model, plan, chosen: Drafting) -> spectree.Options:
 # --- serve: llama-server's own speculation -------------------------------------------------------------------------
 
 SERVER_FREE = ("ngram-simple", "ngram-map-k")  # run's free drafters llama-server has, by the same names
-SERVER_DRAFT_N_MAX = 3  # the draft model's tokens a step (llama-server's --spec-draft-n-max default)
+# the draft model's longest draft a step (llama-server's --spec-draft-n-max, 3 upstream): patch 0030 drafts up to it
+# while a^d >= 1/4 (a: the sequence's measured acceptance), so this caps a draft the target keeps accepting, and
+# the logits rows each sequence reserves (n_max + 1)
+SERVER_DRAFT_N_MAX = 8
+SERVER_STOP = 0.25  # patch 0030's rule: draft on while the chance the whole draft is accepted stays at least this
 # The draft model's tokens the target accepts a step, each given the one before: llama-speculative with the 0.5B
 # drafting the 1.5B gave 2.7-3.0 tokens a pass at n-max 2 and 4.4-4.8 at n-max 4 (HumanEval 0, 20;
 # results/llmcad_qwen_08.csv): 1 + a + a^2 = 2.71 at a = 0.9 (4.4-4.8 at n-max 4 implies a of 0.94-0.97). Used only
@@ -262,10 +266,12 @@ def server_speculation(draft: str | None, free, r) -> server.Speculation:
 
 def server_tok_s(pass_s: float, n_seq: int, target_token_s: float, n_draft: int = 0,
                  draft_token_s: float = 0.0) -> float:
-    """The aggregate decode speed of n_seq sequences decoded together, each verifying n_draft draft-model tokens a
-    pass (0: none): a one-token pass by the plan (pass_s) and VERIFY_SHARE of the target's compute a token for each
+    """The aggregate decode speed of n_seq sequences decoded together, each verifying up to n_draft draft-model
+    tokens a pass (0: none; patch 0030 drafts as long as SERVER_ACCEPT pays within it): a one-token pass by the plan (pass_s) and VERIFY_SHARE of the target's compute a token for each
     further row, the draft's n_draft steps for each sequence; each sequence gains the tokens a chain of n_draft
     yields at SERVER_ACCEPT."""
+    if n_draft:  # the length patch 0030 drafts at SERVER_ACCEPT, within n_draft
+        n_draft = min(n_draft, next(d for d in range(1, 100) if SERVER_ACCEPT ** (d + 1) < SERVER_STOP))
     rows = n_seq * (1 + n_draft)
     tokens = n_seq * sum(SERVER_ACCEPT ** k for k in range(n_draft + 1))
     return tokens / (pass_s + (rows - 1) * spectree.VERIFY_SHARE * target_token_s + n_seq * n_draft * draft_token_s)
