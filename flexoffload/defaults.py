@@ -67,3 +67,8 @@ def cache_dir() -> Path:
     """Where models, the native build, profiles and footprints are kept: $FLEXOFFLOAD_CACHE or
     ~/.cache/flexoffload."""
     return Path(os.environ.get("FLEXOFFLOAD_CACHE") or Path.home() / ".cache" / "flexoffload")
+
+# The n-gram drafters' keys, shared by run's own (speculation/drafters.py) and llama-server's of the same names
+# (runtime/server.py passes them on): ngram-simple's lookup lengths, longest first, and ngram-map-k's.
+NGRAM_SIZES = (3, 2, 1)
+MAP_K_SIZE = 4

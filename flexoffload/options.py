@@ -24,10 +24,10 @@ from flexoffload.defaults import EXPERT_LOOKAHEAD, EXPERT_READS, STRATEGIES
 from flexoffload.gguf.catalog import DEFAULT_MODEL
 from flexoffload.native.devices import parse_endpoints
 from flexoffload.plan import levels, mixed
-from flexoffload.runtime.drafters import DRAFTERS, SPEC_TYPES
+from flexoffload.speculation.drafters import DRAFTERS, SPEC_TYPES
 from flexoffload.runtime.engine import KV_TYPES
-from flexoffload.runtime.specsettings import FLASH_ATTN_OFF
-from flexoffload.runtime.spectree import MAX_NODES
+from flexoffload.speculation.settings import FLASH_ATTN_OFF
+from flexoffload.speculation.tree import MAX_NODES
 
 PLACEMENTS = ("auto", "oato", "layers", "split")  # placers.solve's policies
 COMMANDS = ("run", "plan", "serve", "bench", "profile")
@@ -226,7 +226,7 @@ def _check_budget(b) -> None:
 
 
 def spec_types(value: str | None, draft: str | None) -> list[str]:
-    """--spec-type's free drafters (runtime/drafters.py), ["auto"] while undecided, [] for none; with -md the draft
+    """--spec-type's free drafters (speculation/drafters.py), ["auto"] while undecided, [] for none; with -md the draft
     model is in the tree whatever the list says."""
     names = [n.strip() for n in (value or "none").split(",") if n.strip()]
     for n in names:

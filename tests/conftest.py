@@ -100,7 +100,7 @@ def tail_logits_apart(e, toks: list[int], n: int, tiled: int = 0) -> float:
     decoded first in passes of 64."""
     import numpy as np
 
-    from flexoffload.runtime import speculate
+    from flexoffload.speculation import speculate
 
     lib, mem = e.lib, e.lib.llama_get_memory(e.ctx)
 

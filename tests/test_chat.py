@@ -99,8 +99,8 @@ def test_a_speculating_conversation_replies_as_the_plain_one(tmp_path):
     """Greedy, each turn's reply by speculation (free drafters, a draft model, both) equals the plain conversation's
     on the same engine settings, and each turn decodes as many tokens (the caches keep the same history); /clear
     gives the rejected cells back."""
-    from flexoffload.runtime import speculate
-    from flexoffload.runtime.spectree import Options
+    from flexoffload.speculation import speculate
+    from flexoffload.speculation.tree import Options
 
     target, draft = _tiny_pair(tmp_path)
     settings = Settings(n_ctx=512, n_batch=64, temp=0)
@@ -136,8 +136,8 @@ def test_speculating_turns_keep_the_history_and_forget_frees_rejected_cells_only
     """The KV bookkeeping across turns, against a plain engine's: forgetting past the first tree keeps the rejected
     cells (freed, later tokens would fill them before older history), forgetting before it frees them; the replies
     after either are the plain engine's."""
-    from flexoffload.runtime import speculate
-    from flexoffload.runtime.spectree import Options
+    from flexoffload.speculation import speculate
+    from flexoffload.speculation.tree import Options
 
     target, draft = _tiny_pair(tmp_path)
     settings = Settings(n_ctx=512, n_batch=64, temp=0)
@@ -158,8 +158,8 @@ def test_real_speculating_conversation_replies_as_the_plain_one(real_model):
     """The 1.5B with the 0.5B draft, and with free drafters: three turns, greedy, the replies of the plain
     conversation, the later turns decoding only their new messages."""
     from flexoffload.gguf import catalog
-    from flexoffload.runtime import speculate
-    from flexoffload.runtime.spectree import Options
+    from flexoffload.speculation import speculate
+    from flexoffload.speculation.tree import Options
 
     draft = catalog.model_path(catalog.CATALOG["qwen2.5-coder-0.5b-instruct"])
     settings = Settings(n_ctx=2048, n_batch=512, temp=0, strategy="mmap")

@@ -1,4 +1,4 @@
-"""Speculation without a draft model (runtime/drafters.py): the drafters' proposals, Token Recycling's table, the
+"""Speculation without a draft model (speculation/drafters.py): the drafters' proposals, Token Recycling's table, the
 merge under the node budget, and losslessness: greedy output with each free drafter equal to the target alone."""
 
 import json
@@ -9,9 +9,10 @@ import pytest
 
 from flexoffload.gguf import synth
 from flexoffload.prompts import edit
-from flexoffload.runtime import drafters, engine, speculate
-from flexoffload.runtime.drafters import NgramMapK, NgramSimple, Proposal, Recycle
-from flexoffload.runtime.spectree import Options
+from flexoffload.runtime import engine
+from flexoffload.speculation import drafters, speculate
+from flexoffload.speculation.drafters import NgramMapK, NgramSimple, Proposal, Recycle
+from flexoffload.speculation.tree import Options
 
 from conftest import cli, tail_logits_apart
 
@@ -316,7 +317,7 @@ def test_real_edit_prompt_ngram_simple_is_lossless_and_takes_several_tokens_a_pa
 
 def test_the_plan_counts_the_free_drafters_rows_and_table(tiny_model):
     from flexoffload import api
-    from flexoffload.runtime import speculate as spec
+    from flexoffload.speculation import speculate as spec
 
     base = dict(model=str(tiny_model), prompt="a b c", n_predict=4, temp=0, n_ctx=256, mem="300M", strategy="stream")
     free = api.prepare(api.Request(**base, spec_type="recycle"))

@@ -1,12 +1,12 @@
-"""The measured decision of a speculating run (runtime/speccontrol.py) and its history (runtime/history.py), without
+"""The measured decision of a speculating run (speculation/control.py) and its history (speculation/history.py), without
 llama.cpp: acceptances and timings forced, the decisions checked."""
 
 import json
 
 import pytest
 
-from flexoffload.runtime import history, speccontrol
-from flexoffload.runtime.speccontrol import PROBE, Controller, Measured
+from flexoffload.speculation import history, control as speccontrol
+from flexoffload.speculation.control import PROBE, Controller, Measured
 
 STEP, ROW, PASS = 0.03, 0.02, 0.5  # a draft step, a target row, a streamed one-token pass (seconds)
 

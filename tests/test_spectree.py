@@ -2,8 +2,8 @@
 
 import pytest
 
-from flexoffload.runtime import spectree
-from flexoffload.runtime.spectree import Branch, Node, Tree
+from flexoffload.speculation import tree as spectree
+from flexoffload.speculation.tree import Branch, Node, Tree
 
 
 def _branch(conf: float, length: int, done: bool = False) -> Branch:

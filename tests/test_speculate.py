@@ -10,17 +10,17 @@ from pathlib import Path
 
 import pytest
 
-from flexoffload.runtime import drafters
+from flexoffload.speculation import drafters
 from flexoffload.runtime import engine
 from flexoffload.gguf import catalog
-from flexoffload.runtime import speculate
-from flexoffload.runtime import specsettings
-from flexoffload.runtime import specstate
-from flexoffload.runtime import spectree
-from flexoffload.runtime import verify
+from flexoffload.speculation import speculate
+from flexoffload.speculation import settings as specsettings
+from flexoffload.speculation import state as specstate
+from flexoffload.speculation import tree as spectree
+from flexoffload.speculation import verify
 from flexoffload.gguf import synth
 from flexoffload.gguf.model import load
-from flexoffload.runtime.spectree import Options
+from flexoffload.speculation.tree import Options
 
 from conftest import cli, tail_logits_apart
 
@@ -324,7 +324,7 @@ def test_real_speculation_runs_the_target_alone_where_its_history_predicts_that_
     runs the target alone; --no-history (or --draft-always) loads the draft all the same, to the same tokens; a
     history that cannot be read is ignored with a note. The session's history file is put back as it was."""
     from flexoffload.api import drafting
-    from flexoffload.runtime import history, speccontrol
+    from flexoffload.speculation import history, control as speccontrol
 
     common = ["-m", str(real_model), "-md", str(draft_model), "-p", "def f():", "-n", "8", "-c", "512", "-b", "64",
               "--temp", "0", "--mem", "0.8x", "--json"]

@@ -19,7 +19,8 @@ from flexoffload.options import spec_types
 from flexoffload.plan import plans
 from flexoffload.plan import costmodel, qtypes
 from flexoffload.plan.planners import resident_bytes
-from flexoffload.runtime import drafters, history, server, speccontrol, spectree, speculate
+from flexoffload.runtime import server
+from flexoffload.speculation import drafters, history, control as speccontrol, tree as spectree, speculate
 from flexoffload.api.planning import kv_quantized, plan_for_run
 
 FREE_AUTO = ("ngram-simple", "recycle")  # --spec-type auto's free drafters where they pay, without -md
@@ -98,7 +99,7 @@ def draft_bytes(draft_model, r) -> int:
 
 
 def history_file(target: Path, draft: Path) -> Path:
-    """Where runs of this target and draft keep what they measured (runtime/history.py)."""
+    """Where runs of this target and draft keep what they measured (speculation/history.py)."""
     return history.path(cache_dir() / "speculation", file_key(target), file_key(draft))
 
 

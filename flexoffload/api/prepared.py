@@ -11,7 +11,8 @@ from pathlib import Path
 from flexoffload import FlexoffloadError, options
 from flexoffload.gguf.model import Model, load
 from flexoffload.plan import plans
-from flexoffload.runtime import engine, spectree
+from flexoffload.runtime import engine
+from flexoffload.speculation import tree as spectree
 
 DECISION_FILE = "run.json"  # beside a plan's files: what else `plan -o` decided (drafting, ubatch)
 

@@ -23,7 +23,8 @@ from flexoffload.measure import precision, profiler, sparsity, tuning, ubatches
 from flexoffload.memory import budgets
 from flexoffload.native import devices
 from flexoffload.plan import levels, placers, plans, prefill
-from flexoffload.runtime import engine, spectree
+from flexoffload.runtime import engine
+from flexoffload.speculation import tree as spectree
 from flexoffload.runtime.engine import count_tokens
 from flexoffload.api import drafting
 from flexoffload.api.prepared import DECISION_FILE, Prepared

@@ -17,7 +17,8 @@ from flexoffload.memory import budgets
 from flexoffload.memory.budgets import MiB, format_size
 from flexoffload.native import devices
 from flexoffload.plan import plans
-from flexoffload.runtime import chat, engine, speculate
+from flexoffload.runtime import chat, engine
+from flexoffload.speculation import speculate
 from flexoffload.api.prepared import Prepared
 
 log = logging.getLogger(__name__)

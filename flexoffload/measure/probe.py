@@ -36,7 +36,7 @@ from flexoffload.memory.footprint import Footprint
 # has loaded by the time llama.cpp loads the model (by name, as `python -m` does), so the runtime it measures is a
 # run's. (v5: the child runs the parent's Prepared; it no longer prepares)
 RUN_MODULES = ("flexoffload.api.child", "flexoffload.plan.planners", "flexoffload.measure.profiler",
-               "flexoffload.plan.plans", "flexoffload.runtime.drafters")
+               "flexoffload.plan.plans", "flexoffload.speculation.drafters")
 PYTHON_ARENA = 1 << 20  # obmalloc's arena (Python 3.10 on)
 
 # "llama_kv_cache:        CPU KV buffer size =    28.00 MiB" (one line per cache: an ISWA model has two),

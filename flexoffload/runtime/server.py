@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from flexoffload import FlexoffloadError
+from flexoffload.defaults import MAP_K_SIZE, NGRAM_SIZES
 from flexoffload.memory.budgets import MemoryCgroup
-from flexoffload.runtime.drafters import MAP_K_SIZE, NGRAM_SIZES
 from flexoffload.runtime.engine import Settings, drop_file_cache, raise_memlock_limit
 
 QUEUE = 32  # requests that may wait for a slot beyond the N generating (--queue)
@@ -45,7 +45,7 @@ OWN_FLAGS = frozenset({
     "--override-tensor-draft", "--spec-ngram-simple-size-n", "--spec-ngram-simple-size-m",
     "--spec-ngram-map-k-size-n", "--spec-ngram-map-k-size-m"})
 
-# llama-server's n-gram drafters, given the keys of run's drafters of the same name (runtime/drafters.py): its own
+# llama-server's n-gram drafters, given the keys of run's drafters of the same name (speculation/drafters.py): its own
 # defaults (a 12-token key) find a match only in long verbatim repeats
 NGRAM_KEYS = {"ngram-simple": max(NGRAM_SIZES), "ngram-map-k": MAP_K_SIZE}
 DRAFT_TYPE = "draft-simple"  # llama-server's speculation by a draft model (-md alone loads it and drafts nothing)

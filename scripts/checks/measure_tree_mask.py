@@ -14,7 +14,7 @@ import time
 
 from flexoffload.runtime import engine
 from flexoffload.gguf import catalog
-from flexoffload.runtime import speculate
+from flexoffload.speculation import speculate
 from flexoffload.bench.sweep import write_csv
 
 

@@ -13,10 +13,10 @@ import time
 import numpy as np
 
 from flexoffload import FlexoffloadError
-from flexoffload.runtime import drafters as free
-from flexoffload.runtime.kvcache import TreeCaches
-from flexoffload.runtime.specstate import _Call
-from flexoffload.runtime.spectree import Branch, Node, Options
+from flexoffload.speculation import drafters as free
+from flexoffload.speculation.kvcache import TreeCaches
+from flexoffload.speculation.state import _Call
+from flexoffload.speculation.tree import Branch, Node, Options
 
 
 def _softmax(logits: np.ndarray) -> np.ndarray:

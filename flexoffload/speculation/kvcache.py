@@ -12,8 +12,8 @@ what it accepted.
 
 from __future__ import annotations
 
-from flexoffload.runtime.spectree import MAX_BRANCHES, Node, Tree
-from flexoffload.runtime.specstate import _Call
+from flexoffload.speculation.tree import MAX_BRANCHES, Node, Tree
+from flexoffload.speculation.state import _Call
 
 DEAD_SEQ = MAX_BRANCHES  # the target's sequence for rejected cells kept occupied (see TreeCaches.bury)
 

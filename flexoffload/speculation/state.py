@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from flexoffload import FlexoffloadError
-from flexoffload.runtime.spectree import Node, Stats, Tree
+from flexoffload.speculation.tree import Node, Stats, Tree
 
 
 class _Batch:

@@ -12,7 +12,7 @@ import json
 import os
 from pathlib import Path
 
-from flexoffload.runtime.speccontrol import Measured
+from flexoffload.speculation.control import Measured
 
 CODE_MARKS = ("def ", "class ", "import ", "return", "{", "}", ";", "()", "    ", "\t", "=")
 

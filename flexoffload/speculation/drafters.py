@@ -19,10 +19,10 @@ from pathlib import Path
 
 import numpy as np
 
-NGRAM_SIZES = (3, 2, 1)  # ngram-simple: the lookup key's lengths, longest first
+from flexoffload.defaults import MAP_K_SIZE, NGRAM_SIZES
+
 NGRAM_LENGTH = 16  # tokens a matched continuation proposes at most
 NGRAM_MATCHES = 4  # distinct continuations (branches) an n-gram lookup proposes at most
-MAP_K_SIZE = 4  # ngram-map-k: the key's length
 RECYCLE_K = 8  # Token Recycling: candidates kept per token (the table is n_vocab x k int32)
 
 

@@ -42,18 +42,18 @@ from contextlib import ExitStack, contextmanager
 
 from flexoffload import FlexoffloadError
 from flexoffload.gguf.model import load
-from flexoffload.runtime import drafters as free
-from flexoffload.runtime import history
+from flexoffload.speculation import drafters as free
+from flexoffload.speculation import history
 from flexoffload.runtime.engine import Engine, Result, TextOut, stream_timings
-from flexoffload.runtime.kvcache import DEAD_SEQ, TreeCaches
-from flexoffload.runtime.speccontrol import Controller, Measured
+from flexoffload.speculation.kvcache import DEAD_SEQ, TreeCaches
+from flexoffload.speculation.control import Controller, Measured
 # FREE_NODES_MAX and draft_by_rows too: the API takes them from here (api/drafting.py)
-from flexoffload.runtime.specsettings import (FLASH_ATTN_OFF, FREE_NODES, FREE_NODES_MAX, RPC_NODES, check_settings,
+from flexoffload.speculation.settings import (FLASH_ATTN_OFF, FREE_NODES, FREE_NODES_MAX, RPC_NODES, check_settings,
                                               draft_by_rows, draft_settings, free_nodes, target_settings)
-from flexoffload.runtime.specstate import _Batch, _Call
-from flexoffload.runtime.spectree import MAX_BRANCHES, MAX_NODES, MIN_NODES, Node, Options, Tree
-from flexoffload.runtime.treedraft import TreeGrower
-from flexoffload.runtime.verify import Verifier, _ContextFull
+from flexoffload.speculation.state import _Batch, _Call
+from flexoffload.speculation.tree import MAX_BRANCHES, MAX_NODES, MIN_NODES, Node, Options, Tree
+from flexoffload.speculation.grow import TreeGrower
+from flexoffload.speculation.verify import Verifier, _ContextFull
 
 
 class Speculator:

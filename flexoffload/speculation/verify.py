@@ -19,11 +19,11 @@ import time
 import numpy as np
 
 from flexoffload import FlexoffloadError, native
-from flexoffload.runtime import drafters as free
-from flexoffload.runtime.kvcache import TreeCaches
-from flexoffload.runtime.specstate import _Call
-from flexoffload.runtime.spectree import Node, Options, next_alpha, next_threshold
-from flexoffload.runtime.treedraft import TreeGrower
+from flexoffload.speculation import drafters as free
+from flexoffload.speculation.kvcache import TreeCaches
+from flexoffload.speculation.state import _Call
+from flexoffload.speculation.tree import Node, Options, next_alpha, next_threshold
+from flexoffload.speculation.grow import TreeGrower
 
 
 class _ContextFull(Exception):

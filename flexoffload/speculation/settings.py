@@ -15,7 +15,7 @@ from flexoffload.gguf.model import Model
 from flexoffload.plan.costmodel import looked_up_only
 from flexoffload.plan.plans import override_patterns
 from flexoffload.plan.planners import is_small
-from flexoffload.runtime.spectree import MAX_BRANCHES, MAX_NODES, Options
+from flexoffload.speculation.tree import MAX_BRANCHES, MAX_NODES, Options
 
 FREE_NODES = 16  # free drafters' node budget where neither --draft-max nor the cost of a node is known
 FREE_NODES_MAX = 32  # and where the cost of a node is known (chosen by it): the target's logits rows
