@@ -155,8 +155,9 @@ OPTIONS: tuple[Option, ...] = (
            "alone faster at --mem, and never turn it off while running [default: the run decides by measuring]",
            ("run", "plan"), "draft", is_flag=True, key="always"),
     Option("draft_quant", ("--draft-quant",), "auto", "the draft's weights: at its own types, all Q4_0 (a copy "
-           "made once and cached), or auto: the one predicted fastest by measured acceptance and the memory each "
-           "leaves the target", ("run", "plan"), "draft", choices=("auto", "own", "q4_0"), key="quant"),
+           "made once and cached), or auto: its own types, the copy where those do not fit beside the target or "
+           "where the copy's measured acceptance predicts it faster", ("run", "plan"), "draft",
+           choices=("auto", "own", "q4_0"), key="quant"),
     Option("spec_control", ("--spec-control",), "measured", "what sizes a draft model's trees: the acceptance and "
            "costs the run measures (depth by acceptance, the draft off where it loses), or LLMCad's confidence "
            "rules (the reproduction's)", ("run",), "draft", choices=("measured", "llmcad"), key="control"),

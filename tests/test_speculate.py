@@ -480,27 +480,43 @@ def test_bad_drafting_input_is_one_line_before_loading(tiny_pair, tmp_path):
         assert len(lines) == 1, (flags, r.stderr)
 
 
-def test_the_draft_s_q4_0_copy_is_made_once_cached_and_chosen(private_cache, tmp_path):
-    """A draft at F32 beside a Q4_0 target: --draft-quant auto finds its Q4_0 copy leaves the target more memory
-    (with the prior's acceptance for both) and runs it, made once into the cache and reused; --draft-quant own
-    runs the file as given. Greedy output is the target's own either way."""
+def test_the_draft_s_q4_0_copy_is_made_once_cached_and_chosen_by_measured_acceptance(private_cache, tmp_path):
+    """A draft at F32 beside a Q4_0 target: --draft-quant q4_0 makes its Q4_0 copy once into the cache and reuses
+    it; auto runs the file as given until the copy has a history of its own, then the one whose measured acceptance
+    predicts it faster; own runs the file. Greedy output is the target's own throughout."""
+    from flexoffload.api import drafting
+    from flexoffload.speculation import control, history
+
     shape = synth.Shape(n_layer=2, n_embd=256, n_ff=512, n_head=4, n_head_kv=2, n_vocab=384, n_ctx_train=1024)
     target = synth.write(tmp_path / "target.gguf", shape, seed=1, output_seed=2, output_scale=10)
     draft = synth.write(tmp_path / "draft.gguf", replace(shape, n_layer=1), qtype="F32", seed=1, output_seed=2,
                         output_scale=10)
-    common = ["-m", str(target), "-md", str(draft), "-p", "def add(a, b):", "-n", "24", "--temp", "0", "-c", "256",
+    prompt = "def add(a, b):"
+    common = ["-m", str(target), "-md", str(draft), "-p", prompt, "-n", "24", "--temp", "0", "-c", "256",
               "--mem", "300M", "--json"]
     alone = json.loads(cli("run", *common[:2], *common[4:], "--spec-type", "none", check=True).stdout)
-    chosen = cli("run", *common, check=True)
-    assert "running it at all Q4_0" in chosen.stderr and "making the draft's Q4_0 copy" in chosen.stderr
-    out = json.loads(chosen.stdout)
-    copy = Path(out["draft"]["path"])
+    made = cli("run", *common, "--draft-quant", "q4_0", "--no-history", check=True)
+    assert "making the draft's Q4_0 copy" in made.stderr
+    copy = Path(json.loads(made.stdout)["draft"]["path"])
     assert copy.parent == private_cache / "mixed" and copy.is_file()
     assert load(copy).file_size < load(draft).file_size / 4
-    assert out["tokens"] == alone["tokens"]
-    # the copy is reused (without the history the first run left: the copy's measured acceptance against the file's
-    # prior would decide otherwise, as it should)
-    again = cli("run", *common, "--no-history", check=True)
+    assert json.loads(made.stdout)["tokens"] == alone["tokens"]
+    again = cli("run", *common, "--draft-quant", "q4_0", "--no-history", check=True)
     assert "making the draft's" not in again.stderr and json.loads(again.stdout)["draft"]["path"] == str(copy)
+    first = json.loads(cli("run", *common, check=True).stdout)  # the copy has no history: the file runs
+    assert first["draft"]["path"] == str(draft) and first["tokens"] == alone["tokens"]
+
+    def measured(rate):
+        # steps and rows nearly free, so the acceptance decides (a tiny model computes as fast as it reads)
+        return control.Measured([rate * 20] * 6, [20.0] * 6, [0.1, 20.0], 1e-7, 1e-7)
+
+    kind = history.kind(prompt)
+    for file_rate, copy_rate, chosen in ((0.95, 0.1, draft), (0.1, 0.95, copy)):
+        history.save(drafting.history_file(target, draft), kind, measured(file_rate))
+        history.save(drafting.history_file(target, copy), kind, measured(copy_rate))
+        r = cli("run", *common, check=True)
+        assert "measured acceptance" in r.stderr, r.stderr
+        out = json.loads(r.stdout)
+        assert out["draft"]["path"] == str(chosen) and out["tokens"] == alone["tokens"]
     own = json.loads(cli("run", *common, "--draft-quant", "own", check=True).stdout)
     assert own["draft"]["path"] == str(draft) and own["tokens"] == alone["tokens"]
