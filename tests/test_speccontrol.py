@@ -124,3 +124,23 @@ def test_speculation_is_predicted_to_pay_only_where_the_target_waits_on_its_read
     measured.draft_step_s = 0.1  # a history's measured step outweighs the cost model's
     assert speccontrol.predicted_tok_s(measured, 0.25, row, draft) < speccontrol.predicted_tok_s(_measured(0.95), 0.25,
                                                                                                   row, draft)
+
+
+def test_the_gain_a_run_made_is_kept_and_predicts_the_next_run():
+    """A run's tokens a second over its one-token pass's rate (the gain) goes into the history, averaged with the
+    one it started from, and a history with a gain predicts by it: the plan's pass divided by the gain."""
+    control = Controller(PASS, ROW, STEP)
+    for _ in range(12):  # passes of 9 rows giving 6 tokens, as the line PASS + ROW a row says
+        control.observe_pass(9, PASS + 8 * ROW, 8, 8 * STEP, 0.0, tokens=6)
+    m = control.measured()
+    expected = 6 / (PASS + 8 * ROW + 8 * STEP) * PASS
+    assert m.gain == pytest.approx(expected, rel=0.05)
+    back = Measured.from_json(m.to_json())
+    assert back.gain == pytest.approx(m.gain)
+    assert speccontrol.predicted_tok_s(back, 0.3, ROW, STEP) == pytest.approx(m.gain / 0.3)
+    again = Controller(PASS, ROW, STEP, measured=back)  # a run that made nothing of the draft halves the gain
+    for _ in range(12):
+        again.observe_pass(1, PASS, 0, 0.0, 0.0, tokens=1)
+    assert again.measured().gain == pytest.approx(0.5 * (m.gain + 1.0), rel=0.05)
+    with pytest.raises(ValueError):
+        Measured.from_json({**m.to_json(), "gain": -1})

@@ -152,7 +152,7 @@ def with_model(model, draft_model, r, limit: int | None, notes: list[str]) -> Dr
     measured acceptance and the memory each leaves the target), and whether to spend memory on one at all: where
     the stored history of this pair and prompt kind (what earlier runs measured) predicts the target alone faster,
     it runs alone (or with free drafters, if those pay), unless --draft-always. Without a history the draft is
-    loaded wherever it fits, and the run decides pass by pass whether it drafts (speccontrol.Controller)."""
+    loaded wherever it fits, and the run decides pass by pass whether it drafts (control.Controller)."""
     if draft_model.n_vocab != model.n_vocab:
         raise FlexoffloadError(f"the draft {draft_model.path.name} has another vocabulary ({draft_model.n_vocab} "
                                f"tokens, the target {model.n_vocab}): a draft must share the target's tokens")

@@ -43,6 +43,10 @@ class Measured:
     row_s: float | None = None  # what a row past the first adds to a target pass
     overhead_s: float = 0.0  # a pass's seconds outside the draft and the target (bookkeeping)
     passes: int = 0
+    # what speculating made of the run: its tokens a second over a one-token pass's rate in the same memory (the
+    # draft's beside the target), averaged over the runs kept; None: not measured. What the next run's memory
+    # decision scales its plan's one-token pass by (predicted_tok_s): robust to the disk's drift, as a ratio is
+    gain: float | None = None
 
     def rate(self, depth: int) -> float:
         """The chance the draft's top token at depth (1 = the root's child) is accepted given its parent was:
@@ -58,7 +62,7 @@ class Measured:
     def to_json(self) -> dict:
         return {"accepted": [round(x, 3) for x in self.accepted], "reached": [round(x, 3) for x in self.reached],
                 "side": [round(x, 3) for x in self.side], "draft_step_s": self.draft_step_s, "row_s": self.row_s,
-                "overhead_s": self.overhead_s, "passes": self.passes}
+                "overhead_s": self.overhead_s, "passes": self.passes, "gain": self.gain}
 
     @classmethod
     def from_json(cls, d: dict) -> "Measured":
@@ -71,11 +75,14 @@ class Measured:
         side = [float(x) for x in d["side"]]
         if len(side) != 2 or not 0 <= side[0] <= side[1] or side[1] <= 0:
             raise ValueError("side counts out of range")
-        step, row = d.get("draft_step_s"), d.get("row_s")
+        step, row, gain = d.get("draft_step_s"), d.get("row_s"), d.get("gain")
+        if gain is not None and not 0 < float(gain) < 100:
+            raise ValueError("gain out of range")
         return cls([a * scale for a in accepted], [n * scale for n in reached],
                    [side[0] * min(1.0, HISTORY_WEIGHT / side[1]), side[1] * min(1.0, HISTORY_WEIGHT / side[1])],
                    float(step) if step is not None else None, float(row) if row is not None else None,
-                   float(d.get("overhead_s", 0.0)), int(d.get("passes", 0)))
+                   float(d.get("overhead_s", 0.0)), int(d.get("passes", 0)),
+                   float(gain) if gain is not None else None)
 
 
 def chain_yield(m: Measured, depth: int) -> float:
@@ -104,9 +111,11 @@ def best_depth(m: Measured, pass_s: float, row_s: float, step_s: float, overhead
 
 
 def predicted_tok_s(m: Measured, pass_s: float, row_s: float, step_s: float) -> float:
-    """The decode speed a run speculating with this draft can be expected to reach, before loading: the best chain
-    depth by measured (or prior) acceptance, the target's pass by its plan (pass_s), a row's compute (row_s) and a
-    draft step (step_s) by the cost model unless the history measured them."""
+    """The decode speed a run speculating with this draft can be expected to reach, before loading: where runs of
+    the pair measured it, their gain over the one-token pass of the plan (pass_s); else the best chain depth by the
+    prior acceptance, a row's compute (row_s) and a draft step (step_s) by the cost model unless measured."""
+    if m.gain is not None:
+        return m.gain / pass_s
     return best_depth(m, pass_s, m.row_s if m.row_s is not None else row_s,
                       m.draft_step_s if m.draft_step_s is not None else step_s, m.overhead_s)[1]
 
@@ -131,6 +140,8 @@ class Controller:
         self.off_passes = 0  # passes since the draft last drafted
         self.on = True
         self.n_off = 0  # passes run with the draft off (for the result)
+        self.tokens, self.seconds = 0, 0.0  # the run's passes: what they gave, and took
+        self.stored_gain = self.m.gain
 
     def _add(self, x: float, y: float, w: float) -> None:
         f = self.fit
@@ -196,11 +207,14 @@ class Controller:
         m.accepted[depth - 1] = m.accepted[depth - 1] * DECAY + accepted
         m.reached[depth - 1] = m.reached[depth - 1] * DECAY + 1
 
-    def observe_pass(self, rows: int, target_s: float, steps: int, draft_s: float, overhead_s: float) -> None:
-        """One verification: the target's pass over rows rows took target_s; steps draft steps took draft_s; the
-        rest of the pass's wall time (bookkeeping) overhead_s."""
+    def observe_pass(self, rows: int, target_s: float, steps: int, draft_s: float, overhead_s: float,
+                     tokens: int = 1) -> None:
+        """One verification: the target's pass over rows rows took target_s and gave tokens; steps draft steps took
+        draft_s; the rest of the pass's wall time (bookkeeping) overhead_s."""
         m = self.m
         m.passes += 1
+        self.tokens += tokens
+        self.seconds += target_s + draft_s + overhead_s
         w = self.fit
         # earlier passes fade, so the line follows the disk's drift
         for i in range(5):
@@ -213,6 +227,15 @@ class Controller:
             m.draft_step_s = self.step_s
         m.overhead_s = overhead_s if m.passes == 1 else 0.8 * m.overhead_s + 0.2 * overhead_s
 
+    def measured(self) -> Measured:
+        """What to keep of the run (history.py): its measurements, and the gain it made averaged with the one it
+        started from (a run of a few passes says little alone)."""
+        if self.tokens and self.seconds:
+            pass_s, _ = self.line()
+            run = self.tokens / self.seconds * (pass_s + self.m.overhead_s)
+            self.m.gain = run if self.stored_gain is None else 0.5 * (self.stored_gain + run)
+        return self.m
+
     def summary(self) -> dict:
         """What the run measured and decided, for its result (and the user's --json)."""
         pass_s, row_s = self.line()
@@ -221,4 +244,5 @@ class Controller:
         return {"acceptance_by_depth": [round(m.rate(d), 3) for d in range(1, len(m.reached) + 1)],
                 "reached_by_depth": [round(x, 2) for x in m.reached], "side_rate": round(m.side_rate(), 3),
                 "draft_step_s": self.step_s, "pass_s": pass_s, "row_s": row_s, "overhead_s": m.overhead_s,
-                "depth": depth, "predicted_tok_s": rate, "draft_off_passes": self.n_off, "passes": m.passes}
+                "depth": depth, "predicted_tok_s": rate, "draft_off_passes": self.n_off, "passes": m.passes,
+                "tok_s": self.tokens / self.seconds if self.seconds else 0.0}

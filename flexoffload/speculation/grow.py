@@ -104,7 +104,7 @@ class TreeGrower:
                 return
 
     def draft_measured(self, c: _Call, budget: int) -> int:
-        """Draft steps by the run's measurements (speccontrol.Controller): each on the branch whose next node the
+        """Draft steps by the run's measurements (control.Controller): each on the branch whose next node the
         target is likeliest to accept (its path's measured rates), while that chance pays for the node, up to
         budget nodes. The draft steps taken."""
         tree, control = c.tree, c.control

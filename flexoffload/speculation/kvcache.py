@@ -6,7 +6,7 @@ sequence 0 and every other sequence is dropped, which frees the rejected cells; 
 the last accepted one stay occupied, in DEAD_SEQ (TreeCaches.bury).
 
 Apart from speculate.py because it is llama.cpp's memory calls alone, whatever drafted the tree or verified it: the
-drafting (treedraft.py) forks the draft's branches here, the target's pass (verify.py) opens the target's and keeps
+drafting (grow.py) forks the draft's branches here, the target's pass (verify.py) opens the target's and keeps
 what it accepted.
 """
 

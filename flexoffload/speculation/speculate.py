@@ -9,16 +9,21 @@ pass over its streamed weights, whatever the tree's size. The longest path the t
 target's own next token. While the target's pass waits on the disk, the draft goes on along the most confident
 branch; those tokens are kept when verification ends on that branch and the target's token is the draft's guess.
 
+By default (Options.control "measured") the draft's steps follow what the run measures instead of LLMCad's
+confidence rules: how deep a chain goes by the target's acceptance at each depth and the pass's costs, and whether
+the draft drafts at all this pass, probed again while it is off (control.py; the Controller lives as long as the
+Speculator, so a conversation's turns share it, and is stored as the pair's history when the run ends).
+
 Lossless: at every node the target's own sampler picks a token (greedy: the argmax of its logits), and the walk
 descends only while that token is a child, so each output token is drawn from the target's distribution exactly
 (children here are chosen deterministically from the draft, so no rejection correction is needed).
 
-The tree itself (nodes, branches, the pacer, the walk) is spectree.py; this module's Speculator runs it on the two
-models, a call's loop over its parts: the draft's steps and the free drafters' branches (treedraft.py), the target's
+The tree itself (nodes, branches, the pacer, the walk) is tree.py; this module's Speculator runs it on the two
+models, a call's loop over its parts: the draft's steps and the free drafters' branches (grow.py), the target's
 pass over a tree and the pipeline (verify.py), and the KV bookkeeping in both models (kvcache.py): sequence 0 holds
 the accepted history; branch sequences are copies of their parent's cells up to the fork (`llama_memory_seq_cp` only
 adds the sequence id to shared cells). After a verification the kept path is moved into sequence 0 and every other
-sequence is dropped, which frees the rejected cells. What the two contexts must be is specsettings.py's.
+sequence is dropped, which frees the rejected cells. What the two contexts must be is settings.py's.
 
 Free drafters (drafters.py: n-grams of the context, Token Recycling) add their branches to the tree before each pass,
 beside the draft's or, without a draft model, alone: then no draft Engine is loaded and the tree costs no memory but
@@ -32,7 +37,7 @@ Bit-exact verification needs every kernel of a tree pass to compute a row as a o
 any -ub, -b and KV cache type (-ctk, -ctv: flash attention's per-row path takes quantized K and V) with flash
 attention on or off (off: its matmuls row by row, patch 0023), the tree kept within one ubatch; without flash
 attention not where another device computes attention (check_settings), and on RPC servers only below the tiled
-kernels' 8 rows (RPC_NODES; both specsettings.py's).
+kernels' 8 rows (RPC_NODES; both settings.py's).
 """
 
 from __future__ import annotations
@@ -113,7 +118,7 @@ class Speculator:
             return min(self.options.max_nodes, self.n_nodes_max)
         if self.draft is None:
             return self.n_nodes_max if self.options.node_s > 0 else min(FREE_NODES, self.n_nodes_max)
-        if self.control is not None:  # the measured rule stops the draft (speccontrol.Controller.pays)
+        if self.control is not None:  # the measured rule stops the draft (control.Controller.pays)
             return self.n_nodes_max
         if not c.t_pass or not c.t_token:
             return min(16, self.n_nodes_max)
@@ -195,7 +200,7 @@ class Speculator:
                 other_s = max(time.perf_counter() - t_step - draft_s - target_s, 0.0)
                 c.stats.passes.append([c.stats.tree_sizes[-1], len(out), n_steps, draft_s, target_s, other_s])
                 if c.control is not None:
-                    c.control.observe_pass(c.stats.tree_sizes[-1], target_s, n_steps, draft_s, other_s)
+                    c.control.observe_pass(c.stats.tree_sizes[-1], target_s, n_steps, draft_s, other_s, len(out))
                 for token in out:
                     if lib.llama_vocab_is_eog(t.vocab, token):
                         stop = "eog"
@@ -241,7 +246,7 @@ def loaded(target_path, settings, draft_path, options: Options, free_drafters: t
     for drafter in chosen:
         drafter.save()
     if speculator.control is not None and options.history_path:
-        history.save(options.history_path, options.history_kind, speculator.control.m)
+        history.save(options.history_path, options.history_kind, speculator.control.measured())
 
 
 def run(target_path, settings, draft_path, options: Options, prompt: str, n_predict: int, on_text=None,

@@ -1,7 +1,7 @@
 """What one speculating generate call keeps between its steps (_Call), and the llama_batch that carries a tree or a
 draft's path (_Batch).
 
-Apart from speculate.py because every part of a call reads and writes it: the drafting (treedraft.py), the target's
+Apart from speculate.py because every part of a call reads and writes it: the drafting (grow.py), the target's
 pass (verify.py) and the KV bookkeeping (kvcache.py), none of which imports another for it.
 """
 
@@ -54,4 +54,4 @@ class _Call:
     pass_nodes: list[Node] = field(default_factory=list)  # the last pass's nodes, in batch order
     pass_seqs: dict[int, list[int]] = field(default_factory=dict)  # and the branches each lies on
     history: list[int] = field(default_factory=list)  # prompt and output, the tree's root last
-    control: object = None  # the measured decision (speccontrol.Controller), where it sizes the draft's trees
+    control: object = None  # the measured decision (control.Controller), where it sizes the draft's trees

@@ -34,7 +34,7 @@ class Options:
     max_nodes: int | None = None  # node budget; None: from the measured target pass and draft token times
     node_s: float = 0.0  # what a node adds to the target's pass (VERIFY_SHARE of its compute a token); 0: unknown
     hidden_nodes: int = 0  # nodes past the root whose compute hides under a streamed pass's reads: they cost nothing
-    # a draft model's trees: sized by what the run measures (speccontrol.py), or by LLMCad's confidence rules
+    # a draft model's trees: sized by what the run measures (control.py), or by LLMCad's confidence rules
     control: str = "measured"
     pass_s: float = 0.0  # the plan's one-token pass, seconds (0: unknown), where the measured line starts
     step_s: float = 0.0  # a draft step's predicted seconds (0: unknown until one is measured)
@@ -53,7 +53,7 @@ class Node:
         self.decoded = False  # in the draft's KV cache
         self.in_pass = False  # part of the target pass being verified
         self.origins: list = []  # (drafter, kind) of the free drafters that proposed it (drafters.merge)
-        self.est = 1.0  # the chance the target accepts its path, by the measured rates (speccontrol.py)
+        self.est = 1.0  # the chance the target accepts its path, by the measured rates (control.py)
 
     def path_from(self, top: "Node") -> list["Node"]:
         """The nodes from top (included) down to this one."""

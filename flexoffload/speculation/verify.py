@@ -6,7 +6,7 @@ branch (the pipeline), on one thread the scheduler runs only when the target's t
 Bit-exact: the pass computes on the per-row kernels a one-token pass uses (set_tiled_matmul), so each node's logits
 are those a run without speculation would have.
 
-Apart from speculate.py because it is the target's side of a call alone: the drafting is treedraft.py's, the
+Apart from speculate.py because it is the target's side of a call alone: the drafting is grow.py's, the
 caches' bookkeeping after the pass kvcache.py's.
 """
 
