@@ -810,7 +810,7 @@ def test_the_servers_speculation_is_planned(kquant_model, kquant_draft, tmp_path
     ngram = prepared(mem="128M", spec_type="ngram-simple")
     drafted = prepared(mem="128M", draft=str(kquant_draft), draft_always=True)
     assert speculation(alone) is None and alone.plan is not None
-    assert speculation(ngram) == server.Speculation(None, ("ngram-simple",), 3, 16) and ngram.free == ("ngram-simple",)
+    assert speculation(ngram) == server.Speculation(None, ("ngram-simple",), 8, 16) and ngram.free == ("ngram-simple",)
     # the footprint probe made the target's context with 2 x (1 + 16) logits rows of the 384-token vocabulary
     assert ngram.plan.memory.compute > alone.plan.memory.compute
     assert probe.measure(ngram.model, 1024, 512, 2 * 17, 2).output >= 2 * 17 * 4 * 384
@@ -985,7 +985,7 @@ def test_real_model_speculating_server_equals_run(real_model, draft_model, monke
     prompts = ["def quicksort(arr):", "class Stack:", REPEATING_CODE]
     alone = {p: run_text(real_model, p, 32, "-c", "1024") for p in prompts}
     with Serving("-m", str(real_model), "-c", "1024", "-np", "2", "-md", str(draft_model)) as s:
-        assert "speculating: qwen2.5-coder-0.5b-instruct.gguf drafts 3" in "".join(s.lines)
+        assert "speculating: qwen2.5-coder-0.5b-instruct.gguf drafts 8" in "".join(s.lines)
         answers = ask_all(s, prompts, 32)
         assert {p: text for p, (text, _) in answers.items()} == alone
         assert sum(t.get("draft_n_accepted", 0) for _, t in answers.values()) > 0, answers

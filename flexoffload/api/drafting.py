@@ -285,7 +285,8 @@ def server_tok_s(pass_s: float, n_seq: int, target_token_s: float, n_draft: int 
 def for_server(model, r, limit: int | None, n_seq: int, notes: list[str]) -> Drafting:
     """serve: llama-server's own speculation for n_seq sequences, decided as run decides its own. -md: the draft
     model (llama-server's draft-simple); --spec-type ngram-simple, ngram-map-k: llama-server's drafters of those names;
-    auto: with -md the draft model, without it ngram-simple where free_pays finds the pass disk-bound. The plan leaves
+    auto: with -md the draft model, without it ngram-simple for one sequence where free_pays finds the pass disk-bound
+    (beside others it lost). The plan leaves
     the draft model its memory (its weights, whole, and its context for n_seq sequences) and counts the target's
     logits rows (each sequence's last token and its longest draft). Where that does not fit, or the target alone is
     predicted faster (a draft model), the server runs without it and says so: a budget that serves without
@@ -302,7 +303,9 @@ def for_server(model, r, limit: int | None, n_seq: int, notes: list[str]) -> Dra
     if r.draft and r.rpc:
         raise FlexoffloadError("--rpc and -md: speculation with a draft model runs on this machine only")
     if given == ["auto"]:
-        free = [] if r.draft or not free_pays(model, r, limit) else ["ngram-simple"]
+        # the n-gram drafter for one sequence only: beside 4 and 8 it cost 0.82x and 0.83x the aggregate at 0.8x
+        # (results/serve_md52.csv, where -md was declined for them and auto fell back to it)
+        free = [] if r.draft or n_seq > 1 or not free_pays(model, r, limit) else ["ngram-simple"]
     else:
         free = [n for n in given if n in SERVER_FREE]
     if not r.draft and not free:
