@@ -143,7 +143,9 @@ def test_speculating_turns_keep_the_history_and_forget_frees_rejected_cells_only
     settings = Settings(n_ctx=512, n_batch=64, temp=0)
     with Engine(str(target), settings) as engine:
         plain = _turns_and_forgetting(engine)
-    with speculate.loaded(target, settings, draft, Options(threshold=0.05)) as speculator:
+    # LLMCad's rules: the measured ones may turn a tiny draft off (its step costs what the pass does), and then no tree
+    # leaves rejected cells to keep
+    with speculate.loaded(target, settings, draft, Options(control="llmcad", threshold=0.05)) as speculator:
         mem = speculator.lib.llama_get_memory(speculator.target.ctx)
 
         def dead() -> int:

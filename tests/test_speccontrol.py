@@ -6,7 +6,7 @@ import json
 import pytest
 
 from flexoffload.speculation import history, control as speccontrol
-from flexoffload.speculation.control import PROBE, Controller, Measured
+from flexoffload.speculation.control import PROBE, PROBE_DEPTH, Controller, Measured
 
 STEP, ROW, PASS = 0.03, 0.02, 0.5  # a draft step, a target row, a streamed one-token pass (seconds)
 
@@ -144,3 +144,12 @@ def test_the_gain_a_run_made_is_kept_and_predicts_the_next_run():
     assert again.measured().gain == pytest.approx(0.5 * (m.gain + 1.0), rel=0.05)
     with pytest.raises(ValueError):
         Measured.from_json({**m.to_json(), "gain": -1})
+
+
+def test_a_run_with_no_predicted_pass_drafts_and_measures_first():
+    """No plan's prediction (a mixture of experts, mmap): nothing to weigh the draft against until a pass is
+    measured, so the first pass drafts a probe's chain, and the decisions follow the passes it measures."""
+    control = Controller(None, ROW, STEP)
+    assert control.draft_on() and control.pays(0.9, 1) and not control.pays(0.1, PROBE_DEPTH + 1)
+    control.observe_pass(9, PASS + 8 * ROW, 8, 8 * STEP, 0.0, tokens=9)
+    assert control.line()[0] > 0 and control.draft_on()

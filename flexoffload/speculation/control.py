@@ -99,7 +99,7 @@ def best_depth(m: Measured, pass_s: float, row_s: float, step_s: float, overhead
                max_depth: int = MAX_DEPTH) -> tuple[int, float]:
     """The chain depth whose pass yields the most tokens a second, and that rate; depth 0 is the target alone
     (one token in pass_s + overhead_s)."""
-    best, best_rate = 0, 1.0 / (pass_s + overhead_s)
+    best, best_rate = 0, 1.0 / max(pass_s + overhead_s, 1e-6)
     total, p = 1.0, 1.0
     for d in range(1, max_depth + 1):
         p *= m.rate(d)
@@ -159,7 +159,7 @@ class Controller:
 
     def plan(self) -> tuple[int, float]:
         """The best chain depth (0: the target alone) and the rate it gives by what is measured so far."""
-        if self.step_s is None:  # nothing measured of the draft yet: draft, and measure it
+        if self.step_s is None or self.fit[0] <= 0:  # no step or no pass measured or predicted yet: draft, measure
             return self.max_depth, 0.0
         pass_s, row_s = self.line()
         return best_depth(self.m, pass_s, row_s, self.step_s, self.m.overhead_s, self.max_depth)
@@ -183,7 +183,7 @@ class Controller:
         """Whether a draft node at depth whose path the target accepts with chance p_path (the product of the
         measured rates down to it) pays for a draft step and a row: p_path >= (step + row) * R, R the best rate
         found. A probe (no depth pays) drafts PROBE_DEPTH nodes, and on while the path stays likely (PROBE_P)."""
-        if self.step_s is None:
+        if self.step_s is None or self.fit[0] <= 0:
             return depth <= PROBE_DEPTH or p_path >= PROBE_P  # the first pass: a chain, to measure it
         pass_s, row_s = self.line()
         best, rate = best_depth(self.m, pass_s, row_s, self.step_s, self.m.overhead_s, self.max_depth)
