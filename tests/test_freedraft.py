@@ -80,7 +80,9 @@ def test_recycle_table_holds_the_top_k_of_each_row_the_target_computed():
     r.learn([6], logits[:1])  # a later pass overwrites the row
     assert r.table[6].tolist() == [8, 6, 5]
     assert r.table_bytes == 10 * 3 * 4
-    assert Recycle(n_vocab=151936, k=8).table_bytes == 151936 * 8 * 4 == drafters.table_bytes(["recycle"], 151936)
+    assert Recycle(n_vocab=151936, k=8).table_bytes == 151936 * 8 * 4
+    # and what learning holds while it runs: LEARN_ROWS rows of logits and their top-k's indices
+    assert drafters.table_bytes(["recycle"], 151936) == 151936 * (8 * 4 + drafters.LEARN_ROWS * 12)
 
 
 def test_recycle_draws_a_tree_from_the_table_best_first_under_the_budget():

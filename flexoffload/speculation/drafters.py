@@ -24,6 +24,7 @@ from flexoffload.defaults import MAP_K_SIZE, NGRAM_SIZES
 NGRAM_LENGTH = 16  # tokens a matched continuation proposes at most
 NGRAM_MATCHES = 4  # distinct continuations (branches) an n-gram lookup proposes at most
 RECYCLE_K = 8  # Token Recycling: candidates kept per token (the table is n_vocab x k int32)
+LEARN_ROWS = 4  # logits rows a learner is given at once (verify.py): what it holds while it learns is counted
 
 
 @dataclass
@@ -257,8 +258,9 @@ def make(names, n_vocab: int, store: Path | None = None) -> list[Drafter]:
 
 
 def table_bytes(names, n_vocab: int) -> int:
-    """The memory the named drafters keep (the plan counts it)."""
-    return n_vocab * RECYCLE_K * 4 if "recycle" in names else 0
+    """The memory the named drafters take (the plan counts it): Token Recycling's table, and what learning from a
+    pass holds while it runs (LEARN_ROWS rows of logits copied, 4 bytes a logit, and their top-k's indices, 8)."""
+    return n_vocab * (RECYCLE_K * 4 + LEARN_ROWS * 12) if "recycle" in names else 0
 
 
 @dataclass

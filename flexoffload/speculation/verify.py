@@ -201,7 +201,11 @@ class Verifier:
             # the rows of the accepted path and of the nodes just off it: a top-k over the vocabulary costs about
             # 1.5 ms a row, so not every row of a large tree
             rows = [i for i, n in enumerate(nodes) if id(n) in kept or (n.parent and id(n.parent) in kept)]
-            logits = np.stack([np.ctypeslib.as_array(self.lib.llama_get_logits_ith(self.target.ctx, i),
-                                                     shape=(self.n_vocab,)) for i in rows])
-            for d in learners:
-                d.learn([nodes[i].token for i in rows], logits)
+            # LEARN_ROWS at a time: a top-k over a stack of rows takes 12 bytes a logit (the copy, the indices), which
+            # for a tree's 32 rows of a 256k vocabulary was 96 MiB the plan did not count (drafters.table_bytes does)
+            for start in range(0, len(rows), free.LEARN_ROWS):
+                chunk = rows[start:start + free.LEARN_ROWS]
+                logits = np.stack([np.ctypeslib.as_array(self.lib.llama_get_logits_ith(self.target.ctx, i),
+                                                         shape=(self.n_vocab,)) for i in chunk])
+                for d in learners:
+                    d.learn([nodes[i].token for i in chunk], logits)
