@@ -47,17 +47,17 @@ from contextlib import ExitStack, contextmanager
 
 from flexoffload import FlexoffloadError
 from flexoffload.gguf.model import load
+from flexoffload.runtime.engine import Engine, Result, TextOut, stream_timings
 from flexoffload.speculation import drafters as free
 from flexoffload.speculation import history
-from flexoffload.runtime.engine import Engine, Result, TextOut, stream_timings
-from flexoffload.speculation.kvcache import DEAD_SEQ, TreeCaches
 from flexoffload.speculation.control import Controller, Measured
+from flexoffload.speculation.grow import TreeGrower
+from flexoffload.speculation.kvcache import DEAD_SEQ, TreeCaches
 # FREE_NODES_MAX and draft_by_rows too: the API takes them from here (api/drafting.py)
 from flexoffload.speculation.settings import (FLASH_ATTN_OFF, FREE_NODES, FREE_NODES_MAX, RPC_NODES, check_settings,
                                               draft_by_rows, draft_settings, free_nodes, target_settings)
 from flexoffload.speculation.state import _Batch, _Call
 from flexoffload.speculation.tree import MAX_BRANCHES, MAX_NODES, MIN_NODES, Node, Options, Tree
-from flexoffload.speculation.grow import TreeGrower
 from flexoffload.speculation.verify import Verifier, _ContextFull
 
 
