@@ -336,7 +336,7 @@ def test_real_speculation_runs_the_target_alone_where_its_history_predicts_that_
         alone = cli("run", *common, "--enforce", check=True)  # decided before the cgroup's run, which has no -md
         assert "the target alone is predicted faster" in alone.stderr and str(where) in alone.stderr
         alone_out = json.loads(alone.stdout)
-        assert alone_out["enforced"] and "draft" not in alone_out and "n_verify" not in alone_out["timings"]
+        assert alone_out["enforced"] and "draft" not in alone_out  # (the free drafters may speculate at 0.8x)
         for flag in ("--no-history", "--draft-always"):
             forced = cli("run", *common, flag, check=True)
             assert "predicted faster" not in forced.stderr
@@ -453,7 +453,8 @@ def test_real_greedy_speculation_with_ubatch_and_quantized_cache_equals_the_targ
                                type_k="q8_0", type_v="q8_0")
     for prompt in PROMPTS:
         ref = _alone(real_model, settings, prompt, 40)
-        got = speculate.run(real_model, settings, draft_model, Options(), prompt, 40)
+        # the draft kept on: with every weight in memory the measured decision may rightly turn it off
+        got = speculate.run(real_model, settings, draft_model, Options(always=True), prompt, 40)
         assert got.tokens == ref.tokens, prompt
         assert got.timings["tokens_per_pass"] > 1.5 and got.timings["tree_size_max"] <= 16
 
