@@ -22,10 +22,10 @@ import re
 import tempfile
 from pathlib import Path
 
-from flexoffload import FlexoffloadError
+from flexoffload import FlexoffloadError, native
 from flexoffload.defaults import cache_dir, content_key, file_key
 from flexoffload.gguf.model import Model, load
-from flexoffload.native import build_dir, tools
+from flexoffload.native import tools
 from flexoffload.plan.qtypes import UNQUANTIZED, quantizable, validate
 
 QUANTIZE_TIMEOUT_S = 1800
@@ -53,17 +53,12 @@ def imatrix(model: Model, text: str, n_ctx: int = 512, n_chunks: int = 0, n_thre
     return out
 
 
-def native_key() -> str:
-    """The native build's name (its key): a new llama-quantize may round differently."""
-    return build_dir().resolve().parent.parent.name
-
-
 def mixed_path(model: Model, types: dict[str, str], imatrix_path: Path | None, original: Path | None = None) -> Path:
     """Where the requantized file of a plan's types lives in the cache: named by its inputs."""
     plan = json.dumps(sorted(types.items()))
     src = file_key(original) if original else ""
     im = file_key(imatrix_path) if imatrix_path else ""
-    key = content_key(file_key(model.path), src, im, plan, native_key())
+    key = content_key(file_key(model.path), src, im, plan, native.key())
     return cache_dir() / "mixed" / f"{model.path.stem}-{key}.gguf"
 
 

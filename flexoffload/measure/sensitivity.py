@@ -29,7 +29,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from flexoffload import FlexoffloadError
+from flexoffload import FlexoffloadError, native
 from flexoffload.defaults import cache_dir, content_key, file_key, write_atomic
 from flexoffload.gguf.model import Model
 from flexoffload.measure import about, requantize
@@ -208,7 +208,7 @@ def uqest(path: Path, prompts: list[str], n_predict: int = UQ_TOKENS, n_threads:
 
 def cache_path(model: Model, n_groups: int, ladder: tuple[str, ...]) -> Path:
     key = content_key(str(n_groups), ",".join(ladder), str(KLD_CTX), str(KLD_CHUNKS), str(UQ_PROMPTS),
-                         str(UQ_TOKENS), requantize.native_key())
+                         str(UQ_TOKENS), native.key())
     return cache_dir() / "precision" / f"{file_key(model.path)}-sensitivity-{key}.json"
 
 
@@ -301,7 +301,7 @@ def quality(model: Model, path: Path, n_threads: int | None = None) -> dict:
     """A re-typed file of the model against the model itself: KL divergence on the calibration text (what the plan's
     bound is in) and on the held-out text (HumanEval 40-163, never used to choose), the held-out perplexity of both,
     and UQEst on the calibration prompts against the model's own. Cached per file (two plans may pick one)."""
-    cached = cache_dir() / "precision" / f"{file_key(path)}-quality-{requantize.native_key()}.json"
+    cached = cache_dir() / "precision" / f"{file_key(path)}-quality-{native.key()}.json"
     if cached.is_file():
         return json.loads(cached.read_text())
     calibration, held_out = calibration_text(), held_out_text()
