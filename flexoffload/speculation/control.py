@@ -141,6 +141,7 @@ class Controller:
         self.on = True
         self.n_off = 0  # passes run with the draft off (for the result)
         self.tokens, self.seconds = 0, 0.0  # the run's passes: what they gave, and took
+        self.planned: tuple[int, float] | None = None  # plan()'s answer until the next measurement
         self.stored_gain = self.m.gain
 
     def _add(self, x: float, y: float, w: float) -> None:
@@ -158,11 +159,14 @@ class Controller:
         return max((sy - slope * sx) / w, 1e-4), slope
 
     def plan(self) -> tuple[int, float]:
-        """The best chain depth (0: the target alone) and the rate it gives by what is measured so far."""
+        """The best chain depth (0: the target alone) and the rate it gives by what is measured so far; worked out
+        once a pass (the draft asks for every node), again after the pass's measurements."""
         if self.step_s is None or self.fit[0] <= 0:  # no step or no pass measured or predicted yet: draft, measure
             return self.max_depth, 0.0
-        pass_s, row_s = self.line()
-        return best_depth(self.m, pass_s, row_s, self.step_s, self.m.overhead_s, self.max_depth)
+        if self.planned is None:
+            pass_s, row_s = self.line()
+            self.planned = best_depth(self.m, pass_s, row_s, self.step_s, self.m.overhead_s, self.max_depth)
+        return self.planned
 
     def draft_on(self) -> bool:
         """Whether the draft model drafts this pass: where some depth beats the target alone, or to probe once
@@ -185,11 +189,10 @@ class Controller:
         found. A probe (no depth pays) drafts PROBE_DEPTH nodes, and on while the path stays likely (PROBE_P)."""
         if self.step_s is None or self.fit[0] <= 0:
             return depth <= PROBE_DEPTH or p_path >= PROBE_P  # the first pass: a chain, to measure it
-        pass_s, row_s = self.line()
-        best, rate = best_depth(self.m, pass_s, row_s, self.step_s, self.m.overhead_s, self.max_depth)
+        best, rate = self.plan()
         if best == 0:
             return depth <= PROBE_DEPTH or p_path >= PROBE_P
-        return p_path >= (self.step_s + row_s) * rate
+        return p_path >= (self.step_s + self.line()[1]) * rate
 
     # --- what a pass measured -----------------------------------------------------------------------------------
 
@@ -197,6 +200,7 @@ class Controller:
         """A draft node the target verified whose parent it accepted: its depth below the root, its rank among its
         parent's candidates (0: the draft's top token), and whether the target accepted it."""
         m = self.m
+        self.planned = None
         if rank > 0:
             m.side[0] = m.side[0] * DECAY + accepted
             m.side[1] = m.side[1] * DECAY + 1
@@ -212,6 +216,7 @@ class Controller:
         """One verification: the target's pass over rows rows took target_s and gave tokens; steps draft steps took
         draft_s; the rest of the pass's wall time (bookkeeping) overhead_s."""
         m = self.m
+        self.planned = None
         m.passes += 1
         self.tokens += tokens
         self.seconds += target_s + draft_s + overhead_s
