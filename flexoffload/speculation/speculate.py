@@ -49,7 +49,7 @@ from flexoffload import FlexoffloadError
 from flexoffload.gguf.model import load
 from flexoffload.runtime.engine import Engine, Result, TextOut, stream_timings
 from flexoffload.speculation import drafters as free
-from flexoffload.speculation import history
+from flexoffload.speculation import history, replay
 from flexoffload.speculation.control import Controller, Measured
 from flexoffload.speculation.grow import TreeGrower
 from flexoffload.speculation.kvcache import DEAD_SEQ, TreeCaches
@@ -132,6 +132,8 @@ class Speculator:
         if self.draft:
             self.draft.start(prompt, self.n_ctx)
         prompt_tokens = self.target.start(prompt, self.n_ctx)  # the target's last: its streaming statistics start here
+        if self.options.replay:
+            return replay.replayed(self, prompt_tokens, self.options.replay, n_predict, on_text)
         return self.complete(prompt_tokens, n_predict, on_text)
 
     def complete(self, prompt_tokens: list[int], n_predict: int, on_text=None, cached: int = 0,

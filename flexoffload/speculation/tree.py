@@ -42,6 +42,8 @@ class Options:
     history: dict | None = None  # the stored measurements the run starts from (speccontrol.Measured.to_json)
     history_path: str | None = None  # where the run's measurements are stored when it ends (None: not kept)
     history_kind: str = ""  # the prompt's kind they are stored under (code, text)
+    # a benchmark's: (rows, kept, steps) passes of a real run replayed on this target, not drafted (replay.py)
+    replay: tuple = ()
 
 
 class Node:
