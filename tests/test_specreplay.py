@@ -63,3 +63,55 @@ def test_a_replay_stops_at_n_predict(pair):
 def test_a_trace_that_is_not_one_is_refused(trace):
     with pytest.raises(ValueError):
         replay.check(trace)
+
+
+# --- the prediction (bench/specreplay.py): pure -----------------------------------------------------------------
+
+def _costs():
+    from flexoffload.bench import specreplay as sr
+
+    return sr.Costs("0.5x", {1: 1.0, 2: 1.1, 4: 1.3, 8: 1.7}, step_s=0.02, alone_tok_s=1.25, overhead_s=0.0)
+
+
+def test_a_pass_is_priced_between_and_past_the_sizes_measured():
+    c = _costs()
+    assert c.at(4) == 1.3
+    assert c.at(3) == pytest.approx(1.2)
+    assert c.at(16) == pytest.approx(1.7 + 0.1 * 8)  # on the last two sizes' line
+    pass_s, row_s = c.line()
+    assert row_s == pytest.approx(0.1) and pass_s == pytest.approx(1.0)
+
+
+def test_a_trace_is_priced_pass_by_pass():
+    from flexoffload.bench import specreplay as sr
+
+    c = _costs()
+    trace = {"passes": [[4, 3, 3, 0, 0, 0], [1, 1, 0, 0, 0, 0], [8, 8, 7, 0, 0, 0]]}
+    seconds = (1.3 + 3 * 0.02) + 1.0 + (1.7 + 7 * 0.02)
+    assert sr.predicted_trace(trace, c) == pytest.approx(12 / seconds)
+
+
+def test_a_draft_always_right_goes_deep_and_one_always_wrong_is_off():
+    from flexoffload.bench import specreplay as sr
+
+    c = _costs()
+    right = sr.measured_of([{"control": {"acceptance_by_depth": [1.0] * 31, "reached_by_depth": [50.0] * 31}}])
+    depth, per_pass, rate = sr.predicted_best(right, c)
+    assert depth >= 7 and per_pass == pytest.approx(1 + depth, rel=0.05) and rate > 1 / c.at(1)
+    wrong = sr.measured_of([{"control": {"acceptance_by_depth": [0.0] * 4, "reached_by_depth": [50.0] * 4}}])
+    assert sr.predicted_best(wrong, c)[0] == 0
+
+
+def test_the_sweep_lines_make_a_budgets_costs():
+    from flexoffload.bench import specreplay as sr
+
+    rows = [{"mem": "0.5x", "kind": "pass", "rows": str(r), "steps": "0", "draft_s": "0", "target_s": str(t),
+             "other_s": "0.001", "tok_s": ""} for r, t in ((1, 1.0), (1, 1.2), (1, 0.9), (4, 1.5))]
+    rows.append({"mem": "0.5x", "kind": "pass", "rows": "1", "steps": "8", "draft_s": "0.16", "target_s": "1",
+                 "other_s": "0.001", "tok_s": ""})
+    rows.append({"mem": "0.5x", "kind": "alone", "rows": "", "steps": "", "draft_s": "", "target_s": "",
+                 "other_s": "", "tok_s": "1.1"})
+    c = sr.costs(rows, "0.5x")
+    assert c.pass_s == {1: 1.0, 4: 1.5} and c.step_s == pytest.approx(0.02) and c.alone_tok_s == 1.1
+    with pytest.raises(Exception, match="no passes"):
+        sr.costs(rows, "0.3x")

@@ -94,10 +94,38 @@ def test_realistic_shapes_have_realistic_sizes(name):
     assert 0.3e9 <= synth.predicted_size(synth.SHAPES[name]) <= 4.5e9
 
 
-@pytest.mark.parametrize("name,low,high", [("qwen3moe-30b-a3b", 16.5e9, 18.5e9), ("gpt-oss-20b", 11e9, 13.5e9)])
-def test_the_shapes_people_run_have_their_published_sizes(name, low, high):
-    """Qwen3-30B-A3B about 17-18 GB at 4-bit types, gpt-oss-20b about 12 GB with MXFP4 experts (issue 42)."""
-    assert low <= synth.predicted_size(synth.SHAPES[name]) <= high
+@pytest.mark.parametrize("name,qtype,low,high", [("qwen3moe-30b-a3b", "Q4_0", 16.5e9, 18.5e9),
+                                                 ("gpt-oss-20b", "Q4_0", 11e9, 13.5e9),
+                                                 ("gpt-oss-20b", "Q8_0", 12.05e9, 12.15e9),
+                                                 ("gpt-oss-120b", "Q8_0", 63.3e9, 63.45e9),
+                                                 ("qwen2-7b", "Q4_0", 4.2e9, 4.4e9)])
+def test_the_shapes_people_run_have_their_published_sizes(name, qtype, low, high):
+    """Qwen3-30B-A3B about 17-18 GB at 4-bit types; gpt-oss-20b and -120b with MXFP4 experts and the rest at Q8_0
+    12.1 and 63.4 GB, the published files (issues 42, 53); Qwen2.5-7B at Q4_0 about 4.3 GB."""
+    assert low <= synth.predicted_size(synth.SHAPES[name], qtype) <= high
+
+
+@pytest.mark.parametrize("name", ["tiny", "gpt-oss-tiny"])
+def test_q8_0_files_load_generate_and_have_their_predicted_size(name, tmp_path):
+    path = synth.write(tmp_path / f"{name}.gguf", synth.SHAPES[name], qtype="Q8_0")
+    assert abs(path.stat().st_size - synth.predicted_size(synth.SHAPES[name], "Q8_0")) < 1024
+    types = {t.name: t.type for t in load(path).tensors}
+    assert types["blk.0.attn_q.weight"] == "Q8_0"
+    if name == "gpt-oss-tiny":
+        assert types["blk.0.ffn_up_exps.weight"] == "MXFP4"
+    settings = engine.Settings(n_ctx=256, n_batch=32, temp=0, strategy="mmap")
+    with engine.Engine(path, settings) as eng:
+        first = eng.generate("a b c", 8)
+    assert first.tokens and all(t >= synth.N_SPECIAL for t in first.tokens)
+
+
+def test_q8_0_blocks_round_as_ggml_does():
+    import gguf
+    import numpy as np
+
+    x = np.random.default_rng(0).normal(0, 1, (4, 64)).astype(np.float32)
+    ours = synth._q8_0_of(x)
+    assert ours.tobytes() == gguf.quants.quantize(x, gguf.GGMLQuantizationType.Q8_0).tobytes()
 
 
 def test_shapes_are_the_architectures_asked_for():

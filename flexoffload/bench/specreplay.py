@@ -189,12 +189,21 @@ def replaying(traces_: list[dict], draft: Path):
 
 # --- the prediction ---------------------------------------------------------------------------------------------
 
-def predicted_trace(trace: dict, c: Costs) -> float:
+def predicted_trace(trace: dict, c: Costs, n_predict: int = -1) -> float:
     """The trace's tokens a second on the budget's costs: each pass at the sweep's time for its rows, its draft
-    steps at the measured step, the replay's bookkeeping."""
-    passes = trace["passes"]
+    steps at the measured step, the replay's bookkeeping; n_predict: only the passes a run of that many tokens
+    makes (the first token is the prompt's)."""
+    passes, made = [], 1
+    for p in trace["passes"]:
+        if 0 <= n_predict <= made:
+            break
+        passes.append(p)
+        made += p[1]
     seconds = sum(c.at(p[0]) + p[2] * c.step_s + c.overhead_s for p in passes)
-    return sum(p[1] for p in passes) / seconds
+    tokens = sum(p[1] for p in passes)
+    if n_predict >= 0:  # what the run counts: the tokens after the first, up to n_predict in all
+        tokens = min(tokens, n_predict - 1)
+    return tokens / seconds
 
 
 def measured_of(kind_traces: list[dict]) -> speccontrol.Measured:
@@ -217,6 +226,22 @@ def predicted_best(m: speccontrol.Measured, c: Costs) -> tuple[int, float, float
     pass_s, row_s = c.line()
     depth, rate = speccontrol.best_depth(m, pass_s, max(row_s, 0.0), c.step_s, c.overhead_s, max(SWEEP_ROWS) - 1)
     return depth, speccontrol.chain_yield(m, depth), rate
+
+
+def check(traces_: list[dict], c: Costs, records, n_predict: int) -> list[dict]:
+    """The replay against its prediction, a line per prompt: the trace's first n_predict tokens priced by the
+    sweep, and the replay's measured median (records: the headline CSV's, of the replay's system)."""
+    out = []
+    for t in traces_:
+        runs = [r.value for r in records if r.prompt == t["prompt"] and r.side == "ours" and r.ok]
+        alone = [r.value for r in records if r.prompt == t["prompt"] and r.side == "alone" and r.ok]
+        if runs:
+            predicted = predicted_trace(t, c, n_predict)
+            measured = statistics.median(runs)
+            out.append({"prompt": t["prompt"], "predicted_tok_s": round(predicted, 3),
+                        "measured_tok_s": round(measured, 3), "error": round(predicted / measured - 1, 3),
+                        "alone_tok_s": round(statistics.median(alone), 3) if alone else 0.0})
+    return out
 
 
 def table(traces_: list[dict], all_costs: list[Costs]) -> list[dict]:

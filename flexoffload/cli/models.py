@@ -48,7 +48,7 @@ def models_fetch(names):
 @models.command("synth")
 @click.argument("shape", type=click.Choice(list(synth.SHAPES)))
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="where to write the GGUF")
-@click.option("--qtype", type=click.Choice(["Q4_0", "F32"]), default="Q4_0", show_default=True)
+@click.option("--qtype", type=click.Choice(synth.QTYPES), default="Q4_0", show_default=True)
 @click.option("--seed", default=0, show_default=True)
 @click.option("--routing", type=click.Choice(synth.ROUTINGS), default="random", show_default=True,
               help="a mixture of experts' routers: random weights (a cache's best case) or by the token (text-like)")

@@ -142,6 +142,10 @@ SHAPES: dict[str, Shape] = {
     "gpt-oss-20b": Shape(n_layer=24, n_embd=2880, n_ff=2880, n_head=64, n_head_kv=8, n_vocab=201088,
                          n_ctx_train=131072, arch="gpt-oss", head_dim=64, sliding_window=128,
                          rope_freq_base=150000.0, n_expert=32, n_expert_used=4, n_ff_expert=2880),
+    # gpt-oss-120b's: gpt-oss-20b's layers, 36 of them, with 128 experts (about 63 GB with --qtype Q8_0, as published)
+    "gpt-oss-120b": Shape(n_layer=36, n_embd=2880, n_ff=2880, n_head=64, n_head_kv=8, n_vocab=201088,
+                          n_ctx_train=131072, arch="gpt-oss", head_dim=64, sliding_window=128,
+                          rope_freq_base=150000.0, n_expert=128, n_expert_used=4, n_ff_expert=2880),
     "gpt-oss-tiny": Shape(n_layer=2, n_embd=128, n_ff=128, n_head=4, n_head_kv=2, n_vocab=384, n_ctx_train=512,
                           arch="gpt-oss", head_dim=32, sliding_window=8, n_expert=8, n_expert_used=2,
                           n_ff_expert=64),
@@ -233,7 +237,8 @@ def _tensor_type(shape: Shape, name: str, dims: tuple[int, ...], qtype: str) -> 
     return "MXFP4" if shape.arch == "gpt-oss" and "_exps" in name else qtype
 
 
-BLOCK = {"Q4_0": 18, "MXFP4": 17}  # bytes per block of 32 weights
+BLOCK = {"Q4_0": 18, "Q8_0": 34, "MXFP4": 17}  # bytes per block of 32 weights
+QTYPES = ("Q4_0", "Q8_0", "F32")  # write's qtype: the 2-D weights' type
 
 
 def _data_bytes(shape: Shape, name: str, dims: tuple[int, ...], qtype: str) -> int:
@@ -267,6 +272,34 @@ def _q4_0(rows: int, cols: int, rng: np.random.Generator, scale: float = 1.0) ->
     blocks[:, :2] = scales.astype(np.float16).view(np.uint8).reshape(-1, 2)
     blocks[:, 2:] = rng.integers(0, 256, (n_blocks, 16), dtype=np.uint8)
     return blocks.reshape(rows, cols // 32 * 18)
+
+
+def _q8_0(rows: int, cols: int, rng: np.random.Generator, scale: float = 1.0) -> np.ndarray:
+    """Random Q8_0 blocks (f16 scale + 32 signed bytes per 32 weights) with small, finite scales: the same spread of
+    weights as _q4_0's."""
+    import numpy as np
+
+    n_blocks = rows * cols // 32
+    blocks = np.empty((n_blocks, 34), dtype=np.uint8)
+    scales = rng.uniform(0.002, 0.02, n_blocks) * scale / 16  # int8 steps: 8 / 128 of a Q4_0 step
+    blocks[:, :2] = scales.astype(np.float16).view(np.uint8).reshape(-1, 2)
+    blocks[:, 2:] = rng.integers(0, 256, (n_blocks, 32), dtype=np.uint8)
+    return blocks.reshape(rows, cols // 32 * 34)
+
+
+def _q8_0_of(values: np.ndarray) -> np.ndarray:
+    """values (rows x a multiple of 32) as Q8_0 blocks, rounded as ggml's quantize_row_q8_0_ref does."""
+    import numpy as np
+
+    rows, cols = values.shape
+    x = values.reshape(rows, cols // 32, 32).astype(np.float32)
+    d = np.abs(x).max(axis=2, keepdims=True) / 127
+    inv = np.divide(1.0, d, out=np.zeros_like(d), where=d != 0)
+    q = np.round(x * inv).astype(np.int8)
+    blocks = np.empty((rows, cols // 32, 34), dtype=np.uint8)
+    blocks[..., :2] = d.astype(np.float16).view(np.uint8)
+    blocks[..., 2:] = q.view(np.uint8)
+    return blocks.reshape(rows, cols // 32 * 34)
 
 
 def _q4_0_of(values: np.ndarray) -> np.ndarray:
@@ -345,8 +378,8 @@ def _add_hparams(w, shape: Shape) -> None:
 def write(path: str | Path, shape: Shape = TINY, qtype: str = "Q4_0", seed: int = 0,
           output_seed: int | None = None, output_scale: float = 1.0, routing: str = "random",
           tokenizer: str | Path | None = None, progress=None) -> Path:
-    """Write a GGUF of the shape's architecture at path. qtype: Q4_0 or F32 for the 2-D weights (gpt-oss's experts
-    MXFP4 where it is Q4_0); norms and biases are F32.
+    """Write a GGUF of the shape's architecture at path. qtype: Q4_0, Q8_0 or F32 for the 2-D weights (gpt-oss's
+    experts MXFP4 where it is not F32); norms and biases are F32.
 
     output_seed: draw the output matrix from its own seed, so that a model with fewer layers from the same seeds
     shares embeddings, first layers and output with a deeper one (a draft that often agrees with its target).
@@ -357,8 +390,8 @@ def write(path: str | Path, shape: Shape = TINY, qtype: str = "Q4_0", seed: int 
     import gguf
     import numpy as np
 
-    if qtype not in ("Q4_0", "F32"):
-        raise ValueError(f"qtype must be Q4_0 or F32, not {qtype}")
+    if qtype not in QTYPES:
+        raise ValueError(f"qtype must be one of {', '.join(QTYPES)}, not {qtype}")
     if routing not in ROUTINGS:
         raise ValueError(f"routing must be one of {', '.join(ROUTINGS)}, not {routing}")
     if routing == "text" and not shape.n_expert:
@@ -372,7 +405,8 @@ def write(path: str | Path, shape: Shape = TINY, qtype: str = "Q4_0", seed: int 
     name_arch = "phi-three" if shape.arch == "phi3" else shape.arch
     w.add_name(f"synthetic-{name_arch}-{shape.n_layer}x{shape.n_embd}-{qtype}" + ("-text" if routing == "text" else ""))
     _add_hparams(w, shape)
-    w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_0 if qtype == "Q4_0" else gguf.LlamaFileType.ALL_F32)
+    w.add_file_type({"Q4_0": gguf.LlamaFileType.MOSTLY_Q4_0, "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
+                     "F32": gguf.LlamaFileType.ALL_F32}[qtype])
     _add_vocab(w, vocab)
 
     plan = _tensor_plan(shape)
@@ -403,7 +437,8 @@ def write(path: str | Path, shape: Shape = TINY, qtype: str = "Q4_0", seed: int 
             if t == "F32":
                 data = r.normal(0, 0.05 * scale, dims).astype(np.float32)
             else:  # a matrix, or an expert tensor's slices (one expert's rows after another's)
-                make = _mxfp4 if t == "MXFP4" else lambda rows, cols, g: _q4_0(rows, cols, g, scale)
+                blocks = {"MXFP4": lambda rows, cols, g, _: _mxfp4(rows, cols, g), "Q4_0": _q4_0, "Q8_0": _q8_0}[t]
+                make = lambda rows, cols, g: blocks(rows, cols, g, scale)  # noqa: E731
                 data = make(math.prod(dims[:-1]), dims[-1], r).reshape(*dims[:-1], dims[-1] // 32 * BLOCK[t])
         if name == output_name:  # zero logits for control, byte and unused tokens: the noise is whole pieces
             data[silent] = 0
@@ -412,7 +447,7 @@ def write(path: str | Path, shape: Shape = TINY, qtype: str = "Q4_0", seed: int 
             if t == "F32":
                 data[:, route] = codes
             else:
-                data[:, route.start // 32 * BLOCK[t]:] = _q4_0_of(codes)
+                data[:, route.start // 32 * BLOCK[t]:] = (_q8_0_of if t == "Q8_0" else _q4_0_of)(codes)
         if routing == "text":
             _keep_route(name, data, route)
         w.write_tensor_data(data)
