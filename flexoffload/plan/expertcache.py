@@ -45,11 +45,7 @@ HUGE_PAGE = 2 << 20  # a transparent huge page on x86-64 and arm64 (4 KiB base p
 def slot_bytes(model: Model) -> list[int]:
     """Bytes of an expert's slot, by layer (patch 0025): each of its *_exps tensors' slices in whole pages, from the
     page its first byte is on (a slice's place in the file need not start one)."""
-    out = [0] * model.n_layer
-    for t in model.tensors:
-        if t.kind == "expert" and t.layer is not None:
-            out[t.layer] += -(-(t.n_bytes // model.n_expert) // PAGE) * PAGE + PAGE
-    return out
+    return [sum(-(-b // PAGE) * PAGE + PAGE for b in layer) for layer in replay.expert_slices(model)]
 
 
 def memory(model: Model, slots: int, ubatch: int | None = None) -> int:

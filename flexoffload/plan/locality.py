@@ -58,9 +58,10 @@ def mean(rows: list[Locality]) -> Locality:
 
 
 def lru_hits(trace: Trace) -> dict[str, float]:
-    """An LRU cache's hit rate at a quarter and a half of each layer's experts as slots, a token a step."""
+    """An LRU cache's hit rate at an eighth, a quarter and a half of each layer's experts as slots, a token a
+    step."""
     return {f"{k}/{trace.n_expert}": simulate(trace, k, "lru").hit_rate
-            for k in (trace.n_expert // 4, trace.n_expert // 2)}
+            for k in (trace.n_expert // 8, trace.n_expert // 4, trace.n_expert // 2) if k}
 
 
 def slots_by_layer(trace: Trace, slots: int, step: int = 0) -> list[int]:

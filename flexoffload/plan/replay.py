@@ -266,24 +266,26 @@ class _Cache:
 
 # --- what it costs a decoded token ------------------------------------------------------------------------------
 
-def unit_bytes(model: Model) -> list[int]:
-    """Bytes of one expert unit, by layer: the expert's slice (nb[2]) of each of the layer's *_exps tensors."""
-    if not model.n_expert:
-        raise FlexoffloadError(f"{model.path.name} is not a mixture of experts")
-    out = [0] * model.n_layer
+def expert_slices(model: Model) -> list[list[int]]:
+    """By layer, the bytes of one expert's slice (nb[2]) of each of the layer's *_exps tensors: what a unit is made
+    of (unit_bytes, unit_reads, and the slots of expertcache.slot_bytes). Empty lists for a dense model."""
+    out: list[list[int]] = [[] for _ in range(model.n_layer)]
     for t in model.tensors:
         if t.kind == "expert" and t.layer is not None:
-            out[t.layer] += t.n_bytes // model.n_expert
+            out[t.layer].append(t.n_bytes // model.n_expert)
     return out
+
+
+def unit_bytes(model: Model) -> list[int]:
+    """Bytes of one expert unit, by layer: its slices of the layer's *_exps tensors."""
+    if not model.n_expert:
+        raise FlexoffloadError(f"{model.path.name} is not a mixture of experts")
+    return [sum(s) for s in expert_slices(model)]
 
 
 def unit_reads(model: Model) -> list[int]:
     """Read requests one unit's miss makes, by layer: one per *_exps tensor (its slice is contiguous)."""
-    out = [0] * model.n_layer
-    for t in model.tensors:
-        if t.kind == "expert" and t.layer is not None:
-            out[t.layer] += 1
-    return out
+    return [len(s) for s in expert_slices(model)]
 
 
 def check(model: Model, trace: Trace) -> None:
