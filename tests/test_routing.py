@@ -11,6 +11,7 @@ import pytest
 from conftest import cli
 from test_equality import llama_completion
 
+from flexoffload import FlexoffloadError
 from flexoffload.gguf import synth
 from flexoffload.gguf.model import load
 from flexoffload.measure import tracing
@@ -24,18 +25,7 @@ TEXT = tracing.calibration_text()[:2500]
 def _routed_by_token(path, tokens) -> np.ndarray:
     """tokens x layers x used: the experts each layer's router picks from the token's embedding alone (its route
     dimensions), from the file's weights."""
-    import gguf
-
-    m = load(path)
-    tensors = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
-    emb = tensors["token_embd.weight"]
-    route = slice(m.n_embd - synth.route_dims(m.n_embd), m.n_embd)
-    codes = gguf.quants.dequantize(emb.data, emb.tensor_type)[tokens][:, route]
-    out = []
-    for layer in range(m.n_layer):
-        router = np.asarray(tensors[f"blk.{layer}.ffn_gate_inp.weight"].data)
-        out.append(np.argsort(-(codes @ router[:, route].T), axis=1)[:, :m.n_expert_used])
-    return np.stack(out, axis=1)
+    return tracing.by_code(load(path), tokens)
 
 
 def _check_routed_by_token(path):
@@ -43,7 +33,7 @@ def _check_routed_by_token(path):
     with engine.Engine(path, engine.Settings(n_ctx=512, n_threads=2, strategy="mmap")) as e:
         tokens = e.tokenize(TEXT)[:300]
     traced = tracing.measure(m, tokens, 2, max_tokens=300).ids
-    want = _routed_by_token(path, tokens)
+    want = tracing.computed(m, tokens, max_tokens=300).ids
     same = [set(a) == set(b) for a, b in zip(traced.reshape(-1, m.n_expert_used), want.reshape(-1, m.n_expert_used))]
     assert all(same), f"{sum(same)} of {len(same)} choices are the token's"
     return traced
@@ -57,6 +47,8 @@ def test_text_routing_routes_each_token_by_the_token_alone(tmp_path):
     traced = _check_routed_by_token(synth.write(tmp_path / "text.gguf", shape, routing="text"))
     assert len(np.unique(traced[:, 1])) > shape.n_expert_used  # tokens differ, so their experts do
     random = synth.write(tmp_path / "random.gguf", shape, routing="random")
+    with pytest.raises(FlexoffloadError, match="routed by the token"):  # nothing to compute it from
+        tracing.computed(load(random), TEXT)
     with engine.Engine(random, engine.Settings(n_ctx=512, n_threads=2, strategy="mmap")) as e:
         tokens = e.tokenize(TEXT)[:300]
     assert not np.array_equal(np.sort(tracing.measure(load(random), tokens, 2, max_tokens=300).ids, axis=2),

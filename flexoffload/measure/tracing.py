@@ -130,6 +130,48 @@ def decode(model: Model, text: str | list[int], n_threads: int, recorder, what: 
                 progress(start + i + len(part))
 
 
+def computed(model: Model, text: str | list[int], max_tokens: int = MAX_TOKENS, source: str = "") -> Trace:
+    """A synthetic file with "text" routing (gguf/synth.py): its trace worked out from its weights instead of run
+    (by_code). Its routers read only the route's dimensions, which only the embedding writes, so at every layer a
+    token's experts are the top n_used of the router's rows against the token's code (the normalization before the
+    router scales the code, which the order ignores; the routers' biases are zero): the same at any position and
+    after any context, up to near ties the kernels' rounding may order otherwise. What `measure` gives
+    (tests/test_routing.py compares the two), for a file too large to run a prompt through here: gpt-oss-120b's
+    shape would read all of its 63 GB a ubatch."""
+    from flexoffload.runtime import engine
+
+    if not model.n_expert or not model.name.startswith("synthetic-") or not model.name.endswith("-text"):
+        raise FlexoffloadError(f"{model.path.name} is not a synthetic mixture of experts routed by the token")
+    with engine.vocabulary(str(model.path)) as (lib, vocab):
+        tokens = (engine.tokenize(lib, vocab, text) if isinstance(text, str) else list(text))[:max_tokens]
+    return Trace(model.n_layer, model.n_expert, model.n_expert_used, by_code(model, tokens),
+                 (f"{source}, " if source else "") + f"{len(tokens)} tokens, computed from the weights")
+
+
+def by_code(model: Model, tokens: list[int]) -> np.ndarray:
+    """tokens x layers x used: the experts each layer's router ranks first over the token's embedding alone (the
+    route's dimensions of gguf/synth.py), from the file's weights, whatever its routing."""
+    import gguf
+
+    from flexoffload.gguf import synth
+
+    reader = gguf.GGUFReader(str(model.path))
+    by_name = {t.name: t for t in reader.tensors}
+    route = synth.route_dims(model.n_embd)
+    embd = by_name["token_embd.weight"]
+    rows = np.asarray(embd.data)[np.asarray(tokens, dtype=np.int64)]
+    if embd.tensor_type == gguf.GGMLQuantizationType.F32:
+        codes = rows[:, -route:].astype(np.float32)
+    else:  # the route's dimensions are whole blocks at each row's end
+        block_size, type_size = gguf.GGML_QUANT_SIZES[embd.tensor_type]
+        codes = gguf.quants.dequantize(rows[:, -route // block_size * type_size:], embd.tensor_type)
+    ids = np.empty((len(tokens), model.n_layer, model.n_expert_used), dtype=np.int32)
+    for il in range(model.n_layer):
+        router = np.asarray(by_name[f"blk.{il}.ffn_gate_inp.weight"].data, dtype=np.float32)[:, -route:]
+        ids[:, il] = np.argsort(-(codes @ router.T), axis=1, kind="stable")[:, :model.n_expert_used]
+    return ids
+
+
 def ubatch_ids(model: Model, ids: dict[int, np.ndarray], n_tokens: int) -> np.ndarray:
     """One ubatch's ids as tokens x layers x used, checked to be every layer's, every token's."""
     want = (n_tokens, model.n_expert_used)

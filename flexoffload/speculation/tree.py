@@ -45,6 +45,9 @@ class Options:
     # a benchmark's: (rows, kept, steps) passes of a real run replayed on this target, not drafted (replay.py)
     replay: tuple = ()
 
+    def __post_init__(self):
+        self.replay = tuple(tuple(p) for p in self.replay)  # JSON gives lists (a Prepared read back)
+
 
 class Node:
     __slots__ = ("token", "parent", "pos", "prob", "conf", "children", "decoded", "in_pass", "origins", "est")
