@@ -251,10 +251,22 @@ def warm_page_cache(path: str | os.PathLike) -> None:
 BUSY_SHARE = 0.7
 
 
+# A file larger than this share of the machine's memory is timed by slices (sliced_speed): read into the page cache
+# whole, it would not stay there
+IN_MEMORY_SHARE = 0.5
+
+
+def memory_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 def compute_speed(path: str | os.PathLike, n_threads: int, n_tokens: int = 24) -> float:
-    """Decode tok/s with all weights in memory: the compute-bound ceiling. Warns where the machine was busy."""
+    """Decode tok/s with all weights in memory: the compute-bound ceiling. Warns where the machine was busy. A file
+    too large to hold in memory is timed by slices (sliced_speed)."""
     from flexoffload.runtime import engine
 
+    if os.path.getsize(path) > IN_MEMORY_SHARE * memory_bytes():
+        return sliced_speed(path, n_threads, n_tokens)
     warm_page_cache(path)
     settings = engine.Settings(n_ctx=512, n_threads=n_threads, temp=0.0)
     with engine.Engine(path, settings) as eng:
@@ -268,6 +280,49 @@ def compute_speed(path: str | os.PathLike, n_threads: int, n_tokens: int = 24) -
                     "again on a quiet machine: flexoffload profile -m %s --remeasure", Path(path).name, n_threads,
                     100 * share, tok_s, path)
     return tok_s
+
+
+def slice_depths(model: Model, room: int) -> tuple[int, int]:
+    """Two depths whose slices fit in room bytes, the deeper about twice the other (the slope between them is a
+    layer's seconds): as deep as fits, for a slope over many layers."""
+    layers = [0] * model.n_layer
+    for t in model.tensors:
+        if t.layer is not None:
+            layers[t.layer] += t.n_bytes
+    rest = sum(t.n_bytes for t in model.tensors if t.layer is None)
+    deep = 0
+    while deep < model.n_layer and rest + sum(layers[:deep + 1]) <= room:
+        deep += 1
+    if deep < 2:
+        raise FlexoffloadError(f"{model.path.name}: not even two of its layers fit in memory beside the rest "
+                               f"({rest / 1e9:.1f} GB): its compute cannot be measured here")
+    return max(1, deep // 2), deep
+
+
+def sliced_speed(path: str | os.PathLike, n_threads: int, n_tokens: int = 24) -> float:
+    """Decode tok/s with all weights in memory, for a model too large to hold: its first layers written as two
+    slices (gguf/slices.py) that fit, each timed in memory; a layer's seconds are the slope between them, the rest
+    (embeddings, output head) what the shallower one takes beyond its layers, and the whole model's token the rest
+    plus every layer's."""
+    import tempfile
+
+    from flexoffload.gguf import slices
+    from flexoffload.gguf.model import load
+
+    model = load(path)
+    shallow, deep = slice_depths(model, int(IN_MEMORY_SHARE * memory_bytes()))
+    log.info("%s is larger than half this machine's memory: its compute is timed on its first %d and %d layers "
+             "(slices written beside it, then removed), a layer's time the slope between them", model.path.name,
+             shallow, deep)
+    seconds = {}
+    with tempfile.TemporaryDirectory(prefix="flexoffload-slices-", dir=model.path.parent) as tmp:
+        for depth in (shallow, deep):
+            part = slices.write(model.path, Path(tmp) / f"{depth}.gguf", depth)
+            seconds[depth] = 1.0 / compute_speed(part, n_threads, n_tokens)
+            part.unlink()
+    layer = (seconds[deep] - seconds[shallow]) / (deep - shallow)
+    rest = max(seconds[shallow] - shallow * layer, 0.0)
+    return 1.0 / (rest + model.n_layer * layer)
 
 
 def _cache_path(model: Model, n_threads: int) -> Path:
