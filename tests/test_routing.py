@@ -172,3 +172,21 @@ def test_a_long_first_measurement_says_how_far_it_is_and_how_long_to_go(tmp_path
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("tracing experts:")]
     assert trace.n_tokens == 360 and 5 <= len(lines) <= 10
     assert "to go" in lines[0] and lines[-1].startswith("tracing experts: 360 of 360 tokens")
+
+
+def test_a_text_routed_file_too_large_for_memory_is_traced_by_computing(tmp_path, monkeypatch, private_cache):
+    """Where a prompt through the file under mmap would read it whole a ubatch (larger than half the memory), its
+    trace is computed from its weights (what llama.cpp's own trace gives: the test above) and cached as a measured
+    one is; a file routed otherwise is still run."""
+    from flexoffload.measure import profiler
+
+    path = synth.write(tmp_path / "text.gguf", synth.SHAPES["gpt-oss-tiny"], routing="text")
+    monkeypatch.setattr(profiler, "memory_bytes", lambda: path.stat().st_size)  # the file is "too large"
+    monkeypatch.setattr(tracing, "measure", lambda *a, **k: pytest.fail("ran the model"))
+    got = tracing.trace(load(path), TEXT, max_tokens=200)
+    assert "computed from the weights" in got.source and got.n_tokens == 200
+    assert np.array_equal(got.ids, tracing.computed(load(path), TEXT, max_tokens=200).ids)
+    assert tracing.trace(load(path), TEXT, max_tokens=200).source == got.source  # cached
+    random = synth.write(tmp_path / "random.gguf", synth.SHAPES["gpt-oss-tiny"], routing="random")
+    with pytest.raises(pytest.fail.Exception, match="ran the model"):
+        tracing.trace(load(random), TEXT, max_tokens=200)

@@ -25,7 +25,7 @@ import numpy as np
 from flexoffload import FlexoffloadError
 from flexoffload.defaults import cache_dir, content_key, file_key, write_atomic
 from flexoffload.gguf.model import Model
-from flexoffload.measure import Progress
+from flexoffload.measure import Progress, profiler
 from flexoffload.plan.replay import Trace
 from flexoffload.prompts import humaneval
 
@@ -130,6 +130,11 @@ def decode(model: Model, text: str | list[int], n_threads: int, recorder, what: 
                 progress(start + i + len(part))
 
 
+def computable(model: Model) -> bool:
+    """A synthetic mixture of experts written with "text" routing (its name says so): its trace can be computed."""
+    return bool(model.n_expert) and model.name.startswith("synthetic-") and model.name.endswith("-text")
+
+
 def computed(model: Model, text: str | list[int], max_tokens: int = MAX_TOKENS, source: str = "") -> Trace:
     """A synthetic file with "text" routing (gguf/synth.py): its trace worked out from its weights instead of run
     (by_code). Its routers read only the route's dimensions, which only the embedding writes, so at every layer a
@@ -140,7 +145,7 @@ def computed(model: Model, text: str | list[int], max_tokens: int = MAX_TOKENS, 
     shape would read all of its 63 GB a ubatch."""
     from flexoffload.runtime import engine
 
-    if not model.n_expert or not model.name.startswith("synthetic-") or not model.name.endswith("-text"):
+    if not computable(model):
         raise FlexoffloadError(f"{model.path.name} is not a synthetic mixture of experts routed by the token")
     with engine.vocabulary(str(model.path)) as (lib, vocab):
         tokens = (engine.tokenize(lib, vocab, text) if isinstance(text, str) else list(text))[:max_tokens]
@@ -213,6 +218,11 @@ def trace(model: Model, text: str | list[int] | None = None, n_threads: int | No
              "read where it is not in memory); it says how long to go as it goes", max_tokens, model.path.name,
              model.path, model.file_size / 1e9)
     what = "HumanEval 0-39 with solutions" if default else "a text"
+    if computable(model) and model.file_size > profiler.IN_MEMORY_SHARE * profiler.memory_bytes():
+        # a prompt through it under mmap would read the whole file a ubatch: its routing is worked out instead
+        result = computed(model, text, max_tokens, source=f"{model.path.name}: {what}")
+        write_atomic(path, json.dumps(result.to_dict()))
+        return result
     result = measure(model, text, n_threads or os.cpu_count() or 1, max_tokens, n_ctx, n_ubatch,
                      source=f"{model.path.name}: {what}")
     write_atomic(path, json.dumps(result.to_dict()))
