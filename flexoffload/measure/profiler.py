@@ -19,6 +19,7 @@ import logging
 import mmap
 import os
 import random
+import shutil
 import statistics
 import time
 from dataclasses import dataclass, replace
@@ -294,8 +295,9 @@ def slice_depths(model: Model, room: int) -> tuple[int, int]:
     while deep < model.n_layer and rest + sum(layers[:deep + 1]) <= room:
         deep += 1
     if deep < 2:
-        raise FlexoffloadError(f"{model.path.name}: not even two of its layers fit in memory beside the rest "
-                               f"({rest / 1e9:.1f} GB): its compute cannot be measured here")
+        raise FlexoffloadError(f"{model.path.name}: not even two of its layers fit beside the rest ({rest / 1e9:.1f} "
+                               f"GB) in {room / 1e9:.1f} GB (half the memory, or the disk's free space beside the "
+                               "file): its compute cannot be measured here")
     return max(1, deep // 2), deep
 
 
@@ -310,7 +312,8 @@ def sliced_speed(path: str | os.PathLike, n_threads: int, n_tokens: int = 24) ->
     from flexoffload.gguf.model import load
 
     model = load(path)
-    shallow, deep = slice_depths(model, int(IN_MEMORY_SHARE * memory_bytes()))
+    disk = shutil.disk_usage(model.path.parent).free - (1 << 30)  # one slice on disk at a time, a GiB to spare
+    shallow, deep = slice_depths(model, min(int(IN_MEMORY_SHARE * memory_bytes()), disk))
     log.info("%s is larger than half this machine's memory: its compute is timed on its first %d and %d layers "
              "(slices written beside it, then removed), a layer's time the slope between them", model.path.name,
              shallow, deep)
