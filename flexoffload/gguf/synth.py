@@ -103,11 +103,11 @@ SHAPES: dict[str, Shape] = {
     # Qwen2.5-1.5B: tied embeddings, as its config has them
     "qwen2-1.5b": Shape(n_layer=28, n_embd=1536, n_ff=8960, n_head=12, n_head_kv=2, n_vocab=151936,
                         n_ctx_train=32768, arch="qwen2", tied_embeddings=True, rope_freq_base=1000000.0),
-    # 6 layers: 5 sliding and 1 global, as in gemma3's pattern; the window is shorter than a test's few tokens
     # Qwen2.5-7B's (untied, 28 heads over 4 KV heads) with the 1.5B's vocabulary of 151,936 (its own is padded to
     # 152,064), so that the real 0.5B drafts for it: a realistic pair (scripts/spec_replay)
     "qwen2-7b": Shape(n_layer=28, n_embd=3584, n_ff=18944, n_head=28, n_head_kv=4, n_vocab=151936,
                       n_ctx_train=32768, arch="qwen2", rope_freq_base=1000000.0),
+    # 6 layers: 5 sliding and 1 global, as in gemma3's pattern; the window is shorter than a test's few tokens
     "gemma3-tiny": Shape(n_layer=6, n_embd=64, n_ff=128, n_head=4, n_head_kv=1, n_vocab=384, n_ctx_train=512,
                          arch="gemma3", head_dim=32, sliding_window=8, tied_embeddings=True,
                          rope_freq_base=1000000.0),
