@@ -228,7 +228,7 @@ def predicted_best(m: speccontrol.Measured, c: Costs) -> tuple[int, float, float
     return depth, speccontrol.chain_yield(m, depth), rate
 
 
-def check(traces_: list[dict], c: Costs, records, n_predict: int) -> list[dict]:
+def against_prediction(traces_: list[dict], c: Costs, records, n_predict: int) -> list[dict]:
     """The replay against its prediction, a line per prompt: the trace's first n_predict tokens priced by the
     sweep, and the replay's measured median (records: the headline CSV's, of the replay's system)."""
     out = []
