@@ -434,15 +434,17 @@ def as_measured(model: Model, n_threads: int, remeasure: bool = False) -> Profil
         d = json.loads(cached.read_text())
         return Profile.from_dict(d)
     timed = sum(n for _, n in pass_requests(model, 768 << 20))
+    sliced = model.file_size > IN_MEMORY_SHARE * memory_bytes()
     log.info("measuring this machine's disk and compute for %s at -t %d (once, cached; `flexoffload profile "
-             "-m %s` does it ahead): 3 reads of %.2f GB, %sthe file read into the page cache (%.1f GB), then 28 "
-             "tokens decoded", model.path.name, n_threads, model.path, timed / 1e9,
-             "3 s of expert reads, " if model.n_expert else "", model.file_size / 1e9)
+             "-m %s` does it ahead): 3 reads of %.2f GB, %s%s, then 28 tokens decoded", model.path.name, n_threads,
+             model.path, timed / 1e9, "3 s of expert reads, " if model.n_expert else "",
+             "two slices of its first layers written and read into the page cache" if sliced
+             else f"the file read into the page cache ({model.file_size / 1e9:.1f} GB)")
     disk = disk_speed(model)
     if disk.direct and timed >= SUSTAINED_BYTES:
         record_disk_bw(model.path, max(disk.passes), "profile")
     bursts = expert_reads(model) if model.n_expert else None
-    if model.file_size > 1 << 30:  # the rest is bound by reading the file once: say how long that takes here
+    if model.file_size > 1 << 30 and not sliced:  # bound by reading the file once: say how long that takes here
         log.info("disk: %.2f GB/s; reading %.1f GB into the page cache: %s at that speed, then the decoding",
                  disk.bandwidth / 1e9, model.file_size / 1e9, about(model.file_size / max(disk.bandwidth, 1)))
     tok_s = compute_speed(model.path, n_threads)
