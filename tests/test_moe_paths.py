@@ -174,6 +174,13 @@ def test_a_layer_s_slots_hold_its_cache_and_a_prompt_batch_s_experts_are_given_b
     assert two["timings"]["expert_spilled"] > four["timings"]["expert_spilled"]
 
 
+def _ahead(model, slots: int) -> int:
+    """What reading ahead adds to expertcache.memory(): while a prompt batch's layer computes, the next layer holds
+    all of its experts beside its slots (patch 0022). No plan counts it (no plan reads ahead), so it lives here."""
+    sizes = expertcache.slot_bytes(model)
+    return max(max(model.n_expert - slots, 0) * sizes[il] for il in expertcache.expert_layers(model))
+
+
 def test_a_prompt_batch_reads_the_next_layer_s_experts_ahead_and_keeps_what_it_would_have_kept(tmp_path,
                                                                                              private_cache):
     """Routed as text (a token's experts follow the token), a prompt of a few dozen tokens names most experts of
@@ -181,11 +188,11 @@ def test_a_prompt_batch_reads_the_next_layer_s_experts_ahead_and_keeps_what_it_w
     (patch 0022), and gives back at once those its own batch then did not use. Against the same Prepared without
     reading ahead, in fresh processes: the same tokens, experts used and hits (an expert read ahead is a miss its
     layer did not wait for: the cache keeps the same experts), no fewer bytes read; the cached experts' peak no
-    lower, within what the plan counts and the next layer's experts beside it (expertcache.ahead). No plan turns it
+    lower, within what the plan counts and the next layer's experts beside it (_ahead). No plan turns it
     on yet (on the 30B-A3B shape a run with it left its budget), so the run sets it itself."""
     shape = dataclasses.replace(synth.SHAPES["qwen3moe-tiny"], n_layer=3, **STREAMED["qwen3moe-tiny"])
     path = synth.write(tmp_path / "moe.gguf", shape, seed=SEED["qwen3moe-tiny"], routing="text")
-    room = expertcache.ahead(load(path), 4)
+    room = _ahead(load(path), 4)
     planned, m = _by_expert(path, 4, prompt=" ".join(f"word{i} thing{i * 7}" for i in range(12)), room=room)
     assert not planned.settings.expert_ahead and not planned.plan.experts.ahead  # no plan turns it on yet
     prepared = dataclasses.replace(planned, settings=dataclasses.replace(planned.settings, expert_ahead=True))

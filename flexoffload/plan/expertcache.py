@@ -66,14 +66,6 @@ def memory(model: Model, slots: int, ubatch: int | None = None) -> int:
             + max((max(used - slots, 0) * u + rounding(max(used, slots), u) for u in units), default=0))
 
 
-def ahead(model: Model, slots: int) -> int:
-    """What reading ahead adds to memory(): while a prompt batch's layer computes, the next layer holds all of
-    its experts beside its slots (patch 0022); 0 where a single layer has experts."""
-    sizes = slot_bytes(model)  # once, not once a layer
-    units = [sizes[il] for il in expert_layers(model)]
-    return max((max(model.n_expert - slots, 0) * u for u in units), default=0) if len(units) > 1 else 0
-
-
 def uniform(model: Model) -> MissesBySlots:
     """Routing spread evenly over the experts (replay.Misses.uniform), where no routing trace was measured. Not
     what random weights do: they send nearly every token to the same few experts (docs/experts.md), so a plan

@@ -169,7 +169,8 @@ def _moe_plan(model: Model, budget: int, policy: str, profile: Profile, window: 
     expert_names = {t.name for t in model.tensors if t.kind == "expert"}
     streamed = set(p.streamed) | expert_names
     # reading ahead in a prompt (patch 0022) is not planned (Experts.ahead stays False): on the 30B-A3B shape at
-    # 4 GiB a plan with room for it by expertcache.ahead's count ran out of memory under --enforce (docs/moe.md)
+    # 4 GiB a plan with room for the next layer's experts beside its slots ran out of memory under --enforce
+    # (docs/moe.md)
     return replace(
         p, model=str(model.path), budget=budget, memory=replace(p.memory, experts=experts),
         streamed=tuple(t.name for t in model.tensors if t.name in streamed),
