@@ -55,7 +55,7 @@ def test_depths_fit_the_room_and_a_model_that_cannot_is_refused(tmp_path):
     m = load(synth.write(tmp_path / "m.gguf", synth.SHAPES["tiny"]))
     layer = sum(t.n_bytes for t in m.tensors if t.layer == 0)
     rest = sum(t.n_bytes for t in m.tensors if t.layer is None)
-    assert profiler.slice_depths(m, rest + 2 * layer) == (1, 2)
-    assert profiler.slice_depths(m, rest + 10 * layer) == (m.n_layer // 2, m.n_layer)
-    with pytest.raises(Exception, match="not even two"):
-        profiler.slice_depths(m, rest + layer)
+    assert slices.depths(m, rest + 2 * layer) == (1, 2)
+    assert slices.depths(m, rest + 10 * layer) == (m.n_layer // 2, m.n_layer)
+    with pytest.raises(ValueError, match="not even two"):
+        slices.depths(m, rest + layer)

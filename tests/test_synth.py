@@ -5,7 +5,7 @@ import pytest
 
 from conftest import cli
 from flexoffload.runtime import engine
-from flexoffload.gguf import synth
+from flexoffload.gguf import blocks, synth
 from flexoffload.gguf.model import load
 
 TINY_SHAPES = ["tiny", "llama-gqa-tiny", "qwen2-tiny", "gemma3-tiny", "gemma3-tiny-256k", "phi3-tiny",
@@ -124,7 +124,7 @@ def test_q8_0_blocks_round_as_ggml_does():
     import numpy as np
 
     x = np.random.default_rng(0).normal(0, 1, (4, 64)).astype(np.float32)
-    ours = synth._q8_0_of(x)
+    ours = blocks.q8_0_of(x)
     assert ours.tobytes() == gguf.quants.quantize(x, gguf.GGMLQuantizationType.Q8_0).tobytes()
 
 

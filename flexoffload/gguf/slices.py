@@ -16,6 +16,22 @@ from pathlib import Path
 _BLOCK = re.compile(r"^blk\.(\d+)\.")
 
 
+def depths(model, room: int) -> tuple[int, int]:
+    """Two depths whose slices fit in room bytes, the deeper about twice the other (the slope between them is a
+    layer's seconds): as deep as fits, for a slope over many layers. ValueError where not even two layers fit."""
+    layers = [0] * model.n_layer
+    for t in model.tensors:
+        if t.layer is not None:
+            layers[t.layer] += t.n_bytes
+    rest = sum(t.n_bytes for t in model.tensors if t.layer is None)
+    deep = 0
+    while deep < model.n_layer and rest + sum(layers[:deep + 1]) <= room:
+        deep += 1
+    if deep < 2:
+        raise ValueError(f"not even two of its layers fit beside the rest ({rest / 1e9:.1f} GB) in {room / 1e9:.1f} GB")
+    return max(1, deep // 2), deep
+
+
 def write(src: str | Path, dst: str | Path, n_layer: int) -> Path:
     """Write src's first n_layer blocks to dst (ValueError where the model has fewer). Per-layer arrays in the
     metadata (a head count a layer, say) are cut to the depth; everything else is copied as it is."""

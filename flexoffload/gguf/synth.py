@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 # the vocabularies live in vocab.py; synth.copied_vocab and synth._vocab stay reachable here (tests patch _vocab)
+from flexoffload.gguf.blocks import BLOCK, mxfp4, q4_0, q4_0_of, q8_0, q8_0_of
 from flexoffload.gguf.vocab import _add_vocab, _vocab, _vocab_header_bytes, copied_vocab  # noqa: F401
 
 if TYPE_CHECKING:
@@ -237,7 +238,6 @@ def _tensor_type(shape: Shape, name: str, dims: tuple[int, ...], qtype: str) -> 
     return "MXFP4" if shape.arch == "gpt-oss" and "_exps" in name else qtype
 
 
-BLOCK = {"Q4_0": 18, "Q8_0": 34, "MXFP4": 17}  # bytes per block of 32 weights
 QTYPES = ("Q4_0", "Q8_0", "F32")  # write's qtype: the 2-D weights' type
 
 
@@ -262,62 +262,6 @@ def predicted_size(shape: Shape, qtype: str = "Q4_0", tokenizer: str | Path | No
     return -(-header // ALIGNMENT) * ALIGNMENT + data
 
 
-def _q4_0(rows: int, cols: int, rng: np.random.Generator, scale: float = 1.0) -> np.ndarray:
-    """Random Q4_0 blocks (f16 scale + 16 bytes of nibbles per 32 weights) with small, finite scales."""
-    import numpy as np
-
-    n_blocks = rows * cols // 32
-    blocks = np.empty((n_blocks, 18), dtype=np.uint8)
-    scales = rng.uniform(0.002, 0.02, n_blocks) * scale
-    blocks[:, :2] = scales.astype(np.float16).view(np.uint8).reshape(-1, 2)
-    blocks[:, 2:] = rng.integers(0, 256, (n_blocks, 16), dtype=np.uint8)
-    return blocks.reshape(rows, cols // 32 * 18)
-
-
-def _q8_0(rows: int, cols: int, rng: np.random.Generator, scale: float = 1.0) -> np.ndarray:
-    """Random Q8_0 blocks (f16 scale + 32 signed bytes per 32 weights) with small, finite scales: the same spread of
-    weights as _q4_0's."""
-    import numpy as np
-
-    n_blocks = rows * cols // 32
-    blocks = np.empty((n_blocks, 34), dtype=np.uint8)
-    scales = rng.uniform(0.002, 0.02, n_blocks) * scale / 16  # int8 steps: 8 / 128 of a Q4_0 step
-    blocks[:, :2] = scales.astype(np.float16).view(np.uint8).reshape(-1, 2)
-    blocks[:, 2:] = rng.integers(0, 256, (n_blocks, 32), dtype=np.uint8)
-    return blocks.reshape(rows, cols // 32 * 34)
-
-
-def _q8_0_of(values: np.ndarray) -> np.ndarray:
-    """values (rows x a multiple of 32) as Q8_0 blocks, rounded as ggml's quantize_row_q8_0_ref does."""
-    import numpy as np
-
-    rows, cols = values.shape
-    x = values.reshape(rows, cols // 32, 32).astype(np.float32)
-    d = np.abs(x).max(axis=2, keepdims=True) / 127
-    inv = np.divide(1.0, d, out=np.zeros_like(d), where=d != 0)
-    q = np.round(x * inv).astype(np.int8)
-    blocks = np.empty((rows, cols // 32, 34), dtype=np.uint8)
-    blocks[..., :2] = d.astype(np.float16).view(np.uint8)
-    blocks[..., 2:] = q.view(np.uint8)
-    return blocks.reshape(rows, cols // 32 * 34)
-
-
-def _q4_0_of(values: np.ndarray) -> np.ndarray:
-    """values (rows x a multiple of 32) as Q4_0 blocks, rounded as ggml's quantize_row_q4_0_ref does."""
-    import numpy as np
-
-    rows, cols = values.shape
-    x = values.reshape(rows, cols // 32, 32).astype(np.float32)
-    peak = np.take_along_axis(x, np.abs(x).argmax(axis=2)[..., None], axis=2)  # the signed value of largest size
-    d = peak / -8
-    inv = np.divide(1.0, d, out=np.zeros_like(d), where=d != 0)
-    q = np.minimum(15, (x * inv + 8.5).astype(np.int8)).astype(np.uint8)
-    blocks = np.empty((rows, cols // 32, 18), dtype=np.uint8)
-    blocks[..., :2] = d.astype(np.float16).view(np.uint8)
-    blocks[..., 2:] = q[..., :16] | (q[..., 16:] << 4)
-    return blocks.reshape(rows, cols // 32 * 18)
-
-
 def _route_codes(tokenizer: str | Path, n_vocab: int, route: slice, rng: np.random.Generator) -> np.ndarray:
     """Each token's code for "text" routing: the tokenizer model's embedding of it, centred on the mean over its
     vocabulary and projected at random onto the route's dimensions, scaled to the embedding's other weights (a Q4_0
@@ -337,17 +281,6 @@ def _route_codes(tokenizer: str | Path, n_vocab: int, route: slice, rng: np.rand
     n = min(len(real), n_vocab)
     codes[:n] = real[:n] @ rng.normal(0, 1, (real.shape[1], width)).astype(np.float32)
     return codes / codes[:n].std() * 0.04
-
-
-def _mxfp4(rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
-    """Random MXFP4 blocks (an E8M0 exponent + 16 bytes of FP4 pairs per 32 weights) scaled about as Q4_0's."""
-    import numpy as np
-
-    n_blocks = rows * cols // 32
-    blocks = np.empty((n_blocks, 17), dtype=np.uint8)
-    blocks[:, 0] = rng.integers(118, 122, n_blocks, dtype=np.uint8)  # 2^-10 .. 2^-7 times the table's -12 .. 12
-    blocks[:, 1:] = rng.integers(0, 256, (n_blocks, 16), dtype=np.uint8)
-    return blocks.reshape(rows, cols // 32 * 17)
 
 
 def _add_hparams(w, shape: Shape) -> None:
@@ -437,7 +370,7 @@ def write(path: str | Path, shape: Shape = TINY, qtype: str = "Q4_0", seed: int 
             if t == "F32":
                 data = r.normal(0, 0.05 * scale, dims).astype(np.float32)
             else:  # a matrix, or an expert tensor's slices (one expert's rows after another's)
-                blocks = {"MXFP4": lambda rows, cols, g, _: _mxfp4(rows, cols, g), "Q4_0": _q4_0, "Q8_0": _q8_0}[t]
+                blocks = {"MXFP4": lambda rows, cols, g, _: mxfp4(rows, cols, g), "Q4_0": q4_0, "Q8_0": q8_0}[t]
                 make = lambda rows, cols, g: blocks(rows, cols, g, scale)  # noqa: E731
                 data = make(math.prod(dims[:-1]), dims[-1], r).reshape(*dims[:-1], dims[-1] // 32 * BLOCK[t])
         if name == output_name:  # zero logits for control, byte and unused tokens: the noise is whole pieces
@@ -447,7 +380,7 @@ def write(path: str | Path, shape: Shape = TINY, qtype: str = "Q4_0", seed: int 
             if t == "F32":
                 data[:, route] = codes
             else:
-                data[:, route.start // 32 * BLOCK[t]:] = (_q8_0_of if t == "Q8_0" else _q4_0_of)(codes)
+                data[:, route.start // 32 * BLOCK[t]:] = (q8_0_of if t == "Q8_0" else q4_0_of)(codes)
         if routing == "text":
             _keep_route(name, data, route)
         w.write_tensor_data(data)

@@ -283,24 +283,6 @@ def compute_speed(path: str | os.PathLike, n_threads: int, n_tokens: int = 24) -
     return tok_s
 
 
-def slice_depths(model: Model, room: int) -> tuple[int, int]:
-    """Two depths whose slices fit in room bytes, the deeper about twice the other (the slope between them is a
-    layer's seconds): as deep as fits, for a slope over many layers."""
-    layers = [0] * model.n_layer
-    for t in model.tensors:
-        if t.layer is not None:
-            layers[t.layer] += t.n_bytes
-    rest = sum(t.n_bytes for t in model.tensors if t.layer is None)
-    deep = 0
-    while deep < model.n_layer and rest + sum(layers[:deep + 1]) <= room:
-        deep += 1
-    if deep < 2:
-        raise FlexoffloadError(f"{model.path.name}: not even two of its layers fit beside the rest ({rest / 1e9:.1f} "
-                               f"GB) in {room / 1e9:.1f} GB (half the memory, or the disk's free space beside the "
-                               "file): its compute cannot be measured here")
-    return max(1, deep // 2), deep
-
-
 def sliced_speed(path: str | os.PathLike, n_threads: int, n_tokens: int = 24) -> float:
     """Decode tok/s with all weights in memory, for a model too large to hold: its first layers written as two
     slices (gguf/slices.py) that fit, each timed in memory; a layer's seconds are the slope between them, the rest
@@ -313,7 +295,11 @@ def sliced_speed(path: str | os.PathLike, n_threads: int, n_tokens: int = 24) ->
 
     model = load(path)
     disk = shutil.disk_usage(model.path.parent).free - (1 << 30)  # one slice on disk at a time, a GiB to spare
-    shallow, deep = slice_depths(model, min(int(IN_MEMORY_SHARE * memory_bytes()), disk))
+    try:
+        shallow, deep = slices.depths(model, min(int(IN_MEMORY_SHARE * memory_bytes()), disk))
+    except ValueError as e:  # in half the memory, or on the disk beside the file
+        raise FlexoffloadError(f"{model.path.name}: {e} (half the memory, or the disk's free space beside the file): "
+                               "its compute cannot be measured here") from None
     log.info("%s is larger than half this machine's memory: its compute is timed on its first %d and %d layers "
              "(slices written beside it, then removed), a layer's time the slope between them", model.path.name,
              shallow, deep)
