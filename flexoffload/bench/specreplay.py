@@ -248,7 +248,7 @@ def table(traces_: list[dict], all_costs: list[Costs]) -> list[dict]:
     """A line per budget and prompt kind: the costs, the trace shapes' prediction and the best chain's."""
     out = []
     for c in all_costs:
-        pass1, row_s = c.line()
+        _, row_s = c.line()
         for kind in sorted({t["kind"] for t in traces_}):
             mine = [t for t in traces_ if t["kind"] == kind]
             shapes = statistics.median(predicted_trace(t, c) for t in mine)
