@@ -150,9 +150,9 @@ def load(path: str | os.PathLike) -> Model:
 
     n_expert = int(field_value(f"{arch}.expert_count", 0) or 0)
     n_expert_used = int(field_value(f"{arch}.expert_used_count", 0) or 0)
-    _check_experts(path, tensors, n_expert, n_expert_used)
-    n_head = int(field_value(f"{arch}.attention.head_count", 1) or 1)
     n_embd = int(field_value(f"{arch}.embedding_length", 0) or 0)
+    _check_experts(path, tensors, n_expert, n_expert_used, n_embd)
+    n_head = int(field_value(f"{arch}.attention.head_count", 1) or 1)
     token_embd = next((t for t in tensors if t.name == "token_embd.weight"), None)
     n_vocab = token_embd.shape[1] if token_embd is not None and len(token_embd.shape) > 1 else 0
     return Model(
@@ -173,9 +173,10 @@ def load(path: str | os.PathLike) -> Model:
     )
 
 
-def _check_experts(path: Path, tensors: list[Tensor], n_expert: int, n_expert_used: int) -> None:
-    """A mixture of experts the header and the tensors agree on: a token routes to at most every expert, and
-    each expert tensor is n_expert equal slices (ggml's ne[2]), so an expert is one contiguous read."""
+def _check_experts(path: Path, tensors: list[Tensor], n_expert: int, n_expert_used: int, n_embd: int) -> None:
+    """A mixture of experts the header and the tensors agree on: a token routes to at most every expert, each
+    expert tensor is n_expert equal slices (ggml's ne[2]), so an expert is one contiguous read, and each layer with
+    experts has its router, an n_embd x n_expert matrix (what llama.cpp's loader would refuse only once loading)."""
     experts = [t for t in tensors if t.kind == "expert"]
     if not experts:
         return
@@ -186,6 +187,14 @@ def _check_experts(path: Path, tensors: list[Tensor], n_expert: int, n_expert_us
         if len(t.shape) != 3 or t.shape[2] != n_expert or t.n_bytes % n_expert:
             raise FlexoffloadError(f"{path.name}: expert tensor {t.name} (shape {'x'.join(map(str, t.shape))}) is not "
                                    f"{n_expert} equal slices, one an expert")
+    routers = {t.layer: t for t in tensors if t.kind == "router"}
+    for layer in sorted({t.layer for t in experts}):
+        r = routers.get(layer)
+        if r is None:
+            raise FlexoffloadError(f"{path.name}: layer {layer} has expert tensors but no router (ffn_gate_inp)")
+        if len(r.shape) != 2 or r.shape[1] != n_expert or (n_embd and r.shape[0] != n_embd):
+            raise FlexoffloadError(f"{path.name}: router {r.name} has shape {'x'.join(map(str, r.shape))}, not "
+                                   f"{n_embd or 'n_embd'}x{n_expert} (the embedding by the experts)")
 
 
 # --- a GGUF header reader ---------------------------------------------------------------------
