@@ -102,6 +102,7 @@ def test_run_limited_stops_a_child_past_its_timeout():
         run_limited([sys.executable, "-c", "import time; time.sleep(30)"], 200 * MiB, timeout=1)
 
 
+@pytest.mark.timeout(300, method="thread")  # its own SIGALRM stops the wait
 def test_a_run_stopped_from_outside_leaves_no_child_behind(tmp_path):
     """A Ctrl-C or SIGTERM (as an exception) while waiting for the child kills it and removes its cgroup."""
     import signal
