@@ -35,6 +35,14 @@ EXPERT_LOOKAHEAD = {"auto": None, "on": True, "off": False}
 # Threads issuing the streamed reads (the runtime's pool, and the disk profile's reads in flight).
 IO_THREADS = 4
 
+# The KV cache's types, -ctk/-ctv's choices (enum ggml_type: what llama.cpp's context parameters take).
+KV_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "bf16": 30}
+
+# The lower types a precision plan may choose, highest precision first. K-quants and IQ types need rows of 256
+# weights; the 32-weight types are for the rest (Qwen2.5-0.5B's 896-wide rows). IQ types are left to --types: the
+# CPU runs them more slowly than K-quants of the same size, and a plan should ask for that trade.
+LADDER = ("Q8_0", "Q6_K", "Q5_K", "Q5_0", "Q4_K", "Q4_0", "Q3_K", "Q2_K")
+
 # Tensors under this (and every norm and bias) are always resident: about 1% of a model, and a read request each a
 # token if streamed (HyperGen's size-aware caching).
 SMALL_BYTES = 1 << 20

@@ -2,13 +2,14 @@
 llama.cpp's common/arg.cpp declares each flag once with the tools that take it).
 
 From the one table come:
-- each command's click options (cli/common.py's `click_options("run")`), in the table's order;
-- `Request`, the flat form a run is asked in (the command line's, vLLM's EngineArgs), one field per option;
-- the per-concern configs `Generation`, `Budget`, `Draft`, `Placement`, `Precision` (llama.cpp's nested
-  common_params), each with its own `check()`; `Request.concerns()` splits a request into them and `request()`
-  flattens them back;
-- `check(request)`: each concern's own check, then the checks across concerns, in one place (RULES: the
-  combinations that remain refused, each with its reason; docs/options.md lists them).
+- every command's click options (cli/common.py's `click_options("run")`), in the table's order: a flag declared
+  anywhere else fails tests/test_options.py;
+- `Request`, the flat form a run is asked in (the command line's, vLLM's EngineArgs), one typed field per option
+  but a command's own (concern "command": --json, serve's --port, ...);
+- the typed per-concern configs `Generation`, `Budget`, `Draft`, `Placement`, `Precision` (llama.cpp's nested
+  common_params); `Request.concerns()` splits a request into them and `request()` flattens them back.
+What of them is refused (each concern's check, the rules across concerns) is rules.py's. This module is data: it
+imports nothing of flexoffload's above gguf and defaults, so every layer can read it.
 
 A request stays as the user gave it: what `api.prepare` decides travels as its own object (api.Prepared).
 """
@@ -17,20 +18,14 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field, make_dataclass
-from typing import Callable
 
-from flexoffload import FlexoffloadError
-from flexoffload.defaults import EXPERT_LOOKAHEAD, EXPERT_READS, STRATEGIES
+from flexoffload.defaults import EXPERT_LOOKAHEAD, EXPERT_READS, KV_TYPES, LADDER
 from flexoffload.gguf.catalog import DEFAULT_MODEL
-from flexoffload.native.devices import parse_endpoints
-from flexoffload.plan import levels, mixed
-from flexoffload.speculation.drafters import DRAFTERS, SPEC_TYPES
-from flexoffload.runtime.engine import KV_TYPES
-from flexoffload.speculation.settings import FLASH_ATTN_OFF
-from flexoffload.speculation.tree import MAX_NODES
+from flexoffload.gguf.synth import QTYPES, ROUTINGS
 
 PLACEMENTS = ("auto", "oato", "layers", "split")  # placers.solve's policies
-COMMANDS = ("run", "plan", "serve", "bench", "profile")
+COMMANDS = ("run", "plan", "serve", "bench", "profile")  # the commands that take a Request's options
+TOOLS = ("info", "devices", "models list", "models synth")  # the others, each its own flags only
 STREAMING = ("run", "plan", "serve")  # the commands that plan a run under a budget
 
 
@@ -42,13 +37,14 @@ class Option:
     default: object = None
     help: str = ""
     commands: tuple[str, ...] = ("run",)
-    concern: str = "generation"  # generation, budget, draft, placement, precision; "" for the request's own
+    concern: str = "generation"  # generation, budget, draft, placement, precision; "" for the request's own;
+    # "command" for a command's own flag (--json, serve's --port, ...), not a Request field
     type: type | None = None  # the value's type where the default does not say it (None: the default's)
     choices: tuple[str, ...] | None = None
     minimum: int | None = None  # a whole number at least this
-    path: str | None = None  # "dir": a folder path (need not exist); "file": an existing file
+    path: str | None = None  # "dir": a folder path (need not exist); "file": an existing file; "new": a file's
     is_flag: bool = False
-    flag_value: object = None  # a negative flag (--no-pacer) sets False
+    flag_value: object = None  # a negative flag (--no-pacer) sets False; a value's flag given bare (--tune: 3)
     metavar: str | None = None
     key: str | None = None
     command_defaults: dict = field(default_factory=dict)  # a command whose default differs (serve's -c), said here
@@ -75,11 +71,19 @@ SPEC_HELP = ("free drafters for a speculation tree, a comma list: ngram-simple, 
 OPTIONS: tuple[Option, ...] = (
     # the request's own
     Option("model", ("-m", "--model"), None, f"GGUF path or catalog name [default: {DEFAULT_MODEL}]",
-           COMMANDS, "", metavar="MODEL"),
-    Option("prompt", (), "", "the prompt text (run reads -p or -f)", (), ""),
+           COMMANDS + ("info",), "", metavar="MODEL"),
+    Option("prompt", ("-p", "--prompt"), "", "prompt text", ("run", "plan", "bench"), "",
+           command_defaults={"run": None, "plan": None, "bench": None},  # given or not: -f reads it otherwise
+           command_help={"plan": "plan for this prompt (its length sets the prompt's ubatch) [default: one token]",
+                         "bench": "prompt text [default: a fixed code prompt]"}),
     Option("chat", ("-cnv", "--conversation"), False,
            "chat at the terminal in the model's chat template, the history kept (-p, -f or -sys: the system "
            "message; -n: each reply's limit, to the end of its turn by default)", ("run",), "", is_flag=True),
+    Option("prompt_file", ("-f", "--file"), None, "read the prompt from FILE", ("run", "plan", "profile"), "command",
+           metavar="FILE", command_help={"profile": "with --experts: the text to trace [default: HumanEval 0-39 with "
+                                         "solutions]"}),
+    Option("system_prompt", ("-sys", "--system-prompt"), None, "with -cnv: the system message", ("run",), "command",
+           metavar="TEXT"),
     # generation: what to generate, and llama.cpp's context for it
     Option("n_predict", ("-n", "--n-predict"), 128, "tokens to generate (-1: until end of text)",
            ("run", "plan", "bench"), command_defaults={"bench": 32, "plan": 0},
@@ -87,7 +91,10 @@ OPTIONS: tuple[Option, ...] = (
     Option("n_ctx", ("-c", "--ctx-size"), 2048, "context size in tokens", COMMANDS[:4],
            command_defaults={"serve": 4096},
            command_help={"serve": "context cells, shared by the sequences: each has -c / -np"}),
-    Option("n_batch", ("-b", "--batch-size"), 512, "prompt tokens per llama_decode call", STREAMING),
+    Option("n_batch", ("-b", "--batch-size"), 512, "prompt tokens per llama_decode call", STREAMING + ("profile",),
+           command_defaults={"profile": None},  # its own default by what it measures, said in its help
+           command_help={"profile": "with --ops: the prompt ubatch timed [default: 64]; with --experts: the prompt "
+                         "ubatch replayed [default: 512]"}),
     Option("n_ubatch", ("-ub", "--ubatch-size"), 0,
            "prompt tokens per forward pass [default: -b; under --mem, chosen for a prompt over 256 tokens]",
            STREAMING, minimum=0),
@@ -102,11 +109,13 @@ OPTIONS: tuple[Option, ...] = (
            "forcing): a benchmark's decode that routes as real text does on a synthetic model whose own output is "
            "noise (no speculation)", ()),
     Option("temp", ("--temp",), 0.8, "temperature; 0 is greedy", ("run",)),
-    Option("seed", ("--seed",), -1, "sampling seed (-1: random)", ("run",)),
+    Option("seed", ("--seed",), -1, "sampling seed (-1: random)", ("run", "models synth"),
+           command_defaults={"models synth": 0}, command_help={"models synth": "the random weights' seed"}),
     Option("verbose", ("-v", "--verbose"), False, "show llama.cpp's log", ("run", "serve"), is_flag=True),
     # budget: the memory budget and how weights reach memory
     Option("mem", ("--mem",), None, "memory budget for the whole process: 400M, 1.5G, or 0.4x of the model's size "
-           "(per device with --rpc: cpu=SIZE,rpc0=SIZE,...)", STREAMING, "budget", required_by=("plan",)),
+           "(per device with --rpc: cpu=SIZE,rpc0=SIZE,...)", STREAMING + ("bench",), "budget",
+           required_by=("plan", "bench"), command_help={"bench": "comma-separated budgets: 400M,0.5x,1.0x"}),
     Option("strategy", ("--strategy",), None, "stream (the default with --mem or --plan), mmap (upstream; the "
            "default otherwise), prefetch, sync", STREAMING, "budget"),
     Option("policy", ("--policy",), "balanced", "what stays resident under --mem: balanced, flexinfer, attn-first, "
@@ -165,8 +174,11 @@ OPTIONS: tuple[Option, ...] = (
            "model pair (the run starts from the prior)", ("run", "plan"), "draft", is_flag=True, flag_value=False),
     # placement: RPC servers
     Option("rpc", ("--rpc",), None, "RPC servers (ggml-rpc-server) to place weights on: by --plan, by -ngl, or "
-           "placed now with --mem (cpu=SIZE,rpc0=SIZE,...)", STREAMING, "placement",
-           metavar="HOST:PORT,..."),
+           "placed now with --mem (cpu=SIZE,rpc0=SIZE,...)", STREAMING + ("profile", "devices"), "placement",
+           metavar="HOST:PORT,...",
+           command_help={"profile": "with --ops: each RPC server's device as well (its compute against this CPU's, a "
+                         "visit's cost, its link), from whole tokens with layers placed on it",
+                         "devices": "RPC servers (ggml-rpc-server) to ask as well"}),
     Option("n_gpu_layers", ("-ngl", "--n-gpu-layers"), 0, "with --rpc: the last layers to offload to the servers, "
            "each with its KV cache (llama.cpp's -ngl)", STREAMING, "placement", minimum=0),
     Option("placement", ("--placement",), "auto", "with --rpc and --mem: how weights are placed across the "
@@ -186,106 +198,97 @@ OPTIONS: tuple[Option, ...] = (
     Option("sparsity", ("--sparsity",), None, "predicted neurons: each FFN's hot neurons and the K of its groups a "
            "predictor picks (auto: the fewest within --max-kld, where that is predicted faster than the dense "
            "model); profile --neurons measures them [default: dense]", ("run",), "precision", metavar="auto|K"),
+    # a command's own (concern "command": not a Request field)
+    Option("enforce", ("--enforce",), False, "hold the run to --mem with a memory cgroup and report its peak",
+           ("run", "serve"), "command", is_flag=True,
+           command_help={"serve": "hold the server to --mem with a memory cgroup"}),
+    Option("as_json", ("--json",), False, "print JSON instead of text", ("run", "plan", "profile", "info",
+           "devices", "models list"), "command", is_flag=True,
+           command_help={"run": "print one JSON object instead of text and timings",
+                         "info": "print the table as JSON", "devices": "print the devices as JSON"}),
+    Option("out_dir", ("-o", "--output"), None, "directory for tensors.ot, plan.json and run.json (what run --plan "
+           "DIR then runs)", ("plan",), "command", path="dir"),
+    Option("output", ("-o", "--output"), None, "write the table as CSV", ("bench", "models synth"), "command",
+           path="new", required_by=("models synth",), command_help={"models synth": "where to write the GGUF"}),
+    # serve's
+    Option("n_parallel", ("-np", "--parallel"), 4, "sequences decoded together (requests beyond wait)", ("serve",),
+           "command"),
+    Option("host", ("--host",), "127.0.0.1", "address(es) to listen on, comma-separated", ("serve",), "command"),
+    Option("port", ("--port",), 8080, "port to listen on (0: any free one)", ("serve",), "command"),
+    Option("api_key", ("--api-key",), None, "every endpoint but /health needs `Authorization: Bearer KEY`",
+           ("serve",), "command", envvar="FLEXOFFLOAD_API_KEY"),
+    Option("queue", ("--queue",), 32, "requests that may wait for a sequence; beyond, 503", ("serve",), "command"),
+    Option("tiled", ("--tiled",), False, "llama.cpp's tiled kernels for passes of 8 rows or more: faster with 8 or "
+           "more requests decoding (26 % at 8 in one session), but a greedy text may then differ from run's at a "
+           "near tie (default: row by row, every request's text run's)", ("serve",), "command", is_flag=True),
+    # bench's
+    Option("strategies", ("--strategies",), "mmap", "comma-separated strategies", ("bench",), "command"),
+    Option("repetitions", ("-r", "--repetitions"), 3, "runs of each budget and strategy, in turn", ("bench",),
+           "command"),
+    # plan's
+    Option("tune_best", ("--tune",), None, "measure the N best predicted plans (3) and every baseline policy under "
+           "the enforced budget, keep the fastest (run --mem then uses it)", ("plan",), "command", type=int,
+           flag_value=3, metavar="[N]"),
+    Option("tune_rounds", ("--tune-rounds",), 2, "runs of each candidate, in turn", ("plan",), "command"),
+    Option("max_prompt", ("--max-prompt",), False, "report the longest prompt --mem holds (and the ubatch it needs), "
+           "instead of writing a plan", ("plan",), "command", is_flag=True),
+    Option("prompt_len", ("--prompt-len",), None, "report a prefill of L tokens step by step at each ubatch "
+           "(memory: its peak and what it leaves)", ("plan",), "command", type=int, metavar="L"),
+    # profile's
+    Option("remeasure", ("--remeasure",), False, "measure again even if a profile is cached", ("profile",),
+           "command", is_flag=True),
+    Option("ops", ("--ops",), False, "time every weight's operator (MUL_MAT, GET_ROWS) for a decoded token and a "
+           "prompt ubatch", ("profile",), "command", is_flag=True),
+    Option("sensitivity", ("--precision",), False, "measure the harm of each lower type per group of tensors (KL "
+           "divergence, UQEst) for plan --precision auto", ("profile",), "command", is_flag=True),
+    Option("n_groups", ("--groups",), 4, "with --precision: layer groups per kind", ("profile",), "command"),
+    Option("ladder", ("--types",), ",".join(LADDER), "with --precision: the lower types a tensor may take",
+           ("profile",), "command"),
+    Option("experts", ("--experts",), False, "a mixture of experts: record which experts a text routes to (cached) "
+           "and replay it through an expert cache: hit rate by policy, Belady's bound, bytes read and tok/s "
+           "predicted", ("profile",), "command", is_flag=True),
+    Option("slots", ("--slots",), None, "with --experts: cache sizes, in experts a layer [default: none, one "
+           "token's, a quarter, half, three quarters of the experts]", ("profile",), "command", metavar="N,N,..."),
+    Option("neurons", ("--neurons",), False, "a dense model's FFN neurons as a hot set and groups a predictor picks "
+           "(cached): at each level, the KL divergence, the bytes a token reads and the predictor's recall, for run "
+           "--sparsity", ("profile",), "command", is_flag=True),
+    Option("neuron_groups", ("--neuron-groups",), None, "with --neurons: groups a layer [32]", ("profile",),
+           "command", minimum=1),
+    Option("levels", ("--levels",), None, "with --neurons: the groups a token reads, measured [default: "
+           "16,20,24,28,30,32 of 32]", ("profile",), "command", metavar="K,K,..."),
+    # devices'
+    Option("links", ("--links",), False, "with --rpc: time each server's link (round trip, MB/s each way)",
+           ("devices",), "command", is_flag=True),
+    # models synth's
+    Option("qtype", ("--qtype",), "Q4_0", "the 2-D weights' type", ("models synth",), "command", choices=QTYPES),
+    Option("routing", ("--routing",), "random", "a mixture of experts' routers: random weights (a cache's best "
+           "case) or by the token (text-like)", ("models synth",), "command", choices=ROUTINGS),
+    Option("tokenizer", ("--tokenizer",), None, "copy this model's vocabulary (a GGUF or a catalog name), so real "
+           "text tokenizes as it would for it", ("models synth",), "command", metavar="MODEL"),
 )
 
 BY_NAME = {o.name: o for o in OPTIONS}
 CONCERNS = ("generation", "budget", "draft", "placement", "precision")
+REQUEST_OPTIONS = tuple(o for o in OPTIONS if o.concern != "command")
 
 
 def request_fields(params: dict) -> dict:
     """The Request fields among a command's parsed parameters."""
-    return {k: v for k, v in params.items() if k in BY_NAME}
+    return {k: v for k, v in params.items() if k in BY_NAME and BY_NAME[k].concern != "command"}
 
 
-# --- each concern's own check --------------------------------------------------------------------------------------
-
-def _check_generation(g) -> None:
-    if g.n_ctx < 16 or g.n_batch < 1 or g.n_threads < 1:
-        raise FlexoffloadError("-c must be at least 16, -b, -t and --io-threads at least 1, --window at least 0")
-    if g.n_ubatch < 0 or g.n_ubatch > g.n_batch or g.flash_attn not in ("on", "off", "auto"):
-        raise FlexoffloadError("-ub must be between 1 and -b, -fa one of on, off, auto")
-    if g.cache_type_k not in KV_TYPES or g.cache_type_v not in KV_TYPES:
-        raise FlexoffloadError(f"-ctk and -ctv must be one of {', '.join(KV_TYPES)}")
-    if g.cache_type_v not in ("f16", "f32", "bf16") and g.flash_attn == "off":
-        raise FlexoffloadError(f"a {g.cache_type_v} V cache needs flash attention: -fa on or auto")
-
-
-def _check_budget(b) -> None:
-    if b.strategy not in (None,) + STRATEGIES:
-        raise FlexoffloadError(f"unknown strategy {b.strategy!r}: one of {', '.join(STRATEGIES)}")
-    if (b.io_threads is not None and b.io_threads < 1) or (b.window is not None and b.window < 0):
-        raise FlexoffloadError("-c must be at least 16, -b, -t and --io-threads at least 1, --window at least 0")
-    if b.strategy == "sync" and b.window is not None:
-        raise FlexoffloadError("--window does not apply to sync: it reads each tensor when compute needs it")
-    if b.strategy == "mmap" and (b.window is not None or b.io_threads is not None or b.plan_dir):
-        raise FlexoffloadError("--window, --io-threads and --plan stream weights: not with --strategy mmap")
-    if b.expert_reads not in EXPERT_READS:
-        raise FlexoffloadError(f"unknown expert reads {b.expert_reads!r}: one of {', '.join(EXPERT_READS)}")
-    if b.expert_lookahead not in EXPERT_LOOKAHEAD:
-        raise FlexoffloadError(f"unknown expert lookahead {b.expert_lookahead!r}: one of "
-                               f"{', '.join(EXPERT_LOOKAHEAD)}")
-
-
-def spec_types(value: str | None, draft: str | None) -> list[str]:
-    """--spec-type's free drafters (speculation/drafters.py), ["auto"] while undecided, [] for none; with -md the draft
-    model is in the tree whatever the list says."""
-    names = [n.strip() for n in (value or "none").split(",") if n.strip()]
-    for n in names:
-        if n == "layers":  # measured before building: scripts/layers_study, results/layers_draft_qwen1.5b.csv
-            raise FlexoffloadError("--spec-type layers is not built: a draft through the layers a plan keeps "
-                                   "resident gave the target's greedy token 0-2 % of the time on the 1.5B at "
-                                   "0.4x-0.8x (docs/speculation.md)")
-        if n not in SPEC_TYPES + ("none",):
-            raise FlexoffloadError(f"unknown --spec-type {n!r}: a list of {', '.join(SPEC_TYPES)}, or none")
-    if ("auto" in names or "none" in names) and len(names) > 1:
-        raise FlexoffloadError("--spec-type auto and none stand alone, not in a list")
-    if "model" in names and not draft:
-        raise FlexoffloadError("--spec-type model is the draft model: give it with -md")
-    return ["auto"] if names == ["auto"] else [n for n in names if n in DRAFTERS]
-
-
-def _check_draft(d) -> None:
-    if d.spec not in ("tree", "chain"):
-        raise FlexoffloadError(f"unknown speculation shape {d.spec!r}: tree or chain")
-    spec_types(d.spec_type, d.model)
-    if d.max is not None and (d.max < 1 or (d.model and not 2 <= d.max <= MAX_NODES)):
-        raise FlexoffloadError(f"--draft-max must be between 2 and {MAX_NODES} with -md, at least 1 without it")
-    if not 0 < d.p_split <= 1:
-        raise FlexoffloadError("--draft-p-split must be in (0, 1]")
-
-
-def _check_placement(p) -> None:
-    if p.rpc:
-        parse_endpoints(p.rpc)
-    if p.n_gpu_layers < 0:
-        raise FlexoffloadError("-ngl must be at least 0")
-    if p.n_gpu_layers and not p.rpc:
-        raise FlexoffloadError("-ngl offloads layers to RPC servers here (this build has no GPU): add --rpc")
-
-
-def _check_precision(q) -> None:
-    if q.mode not in (None, "auto"):
-        raise FlexoffloadError(f"--precision takes auto (the file's own types: leave it out), not {q.mode}")
-    if q.sparsity is not None and q.mode:
-        return  # both: a rule across them says why not
-    if q.sparsity is not None:
-        if levels.parse(q.sparsity) != "auto" and q.max_kld is not None:
-            raise FlexoffloadError("--max-kld goes with --sparsity auto (or --precision auto)")
-        if q.min_tok_s is not None or q.original:
-            raise FlexoffloadError("--min-tok-s and --original go with --precision auto")
-    else:
-        mixed.check_options(q.mode, q.max_kld, q.min_tok_s, q.original)
-
-
-_CHECKS = {"generation": _check_generation, "budget": _check_budget, "draft": _check_draft,
-           "placement": _check_placement, "precision": _check_precision}
+def value_type(o: Option):
+    """An option's value type: given, or its default's (a flag's bool); None where it may be left out."""
+    t = o.type or (int if o.minimum is not None else None) or (bool if o.is_flag else None) \
+        or (type(o.default) if o.default is not None else str)
+    return t | None if o.default is None else t
 
 
 def _concern(name: str):
     keys = [(o.field_name, o) for o in OPTIONS if o.concern == name]
-    cls = make_dataclass(name.capitalize(), [(k, object, field(default=o.default)) for k, o in keys], frozen=True,
-                         namespace={"check": lambda self: _CHECKS[name](self),
-                                    "__doc__": f"The {name} options (options.OPTIONS), checked by check()."})
+    cls = make_dataclass(name.capitalize(), [(k, value_type(o), field(default=o.default)) for k, o in keys],
+                         frozen=True, namespace={"__doc__": f"The {name} options (options.OPTIONS); "
+                                                            "rules.check_concern checks them."})
     cls.__module__ = __name__
     return cls
 
@@ -300,11 +303,19 @@ def _concerns(self) -> dict:
             for c, cls in CONCERN_CLASSES.items()}
 
 
-Request = make_dataclass("Request", [(o.name, object, field(default=o.default)) for o in OPTIONS],
+Request = make_dataclass("Request", [(o.name, value_type(o), field(default=o.default)) for o in REQUEST_OPTIONS],
                          namespace={"concerns": _concerns, "__doc__":
                                     "One run as asked, flat: one field per option (options.OPTIONS); what prepare "
                                     "decides is not written back into it."})
 Request.__module__ = __name__
+
+
+def request_for(command: str, **fields) -> "Request":
+    """A Request with a command's own defaults where the table names one (serve's -c 4096, plan's -n 0), the API's
+    way to ask what that command would: fields given win."""
+    named = {o.name: o.command_defaults[command] for o in REQUEST_OPTIONS
+             if command in o.command_defaults and o.command_defaults[command] is not None}
+    return Request(**{**named, **fields})
 
 
 def request(model, prompt: str, *concerns) -> "Request":
@@ -318,71 +329,15 @@ def request(model, prompt: str, *concerns) -> "Request":
     return Request(**values)
 
 
-# --- checks across concerns: the combinations that remain refused, each with its reason ----------------------------
-
-@dataclass(frozen=True)
-class Rule:
-    """A combination refused: `when(request)` says it applies, `message` is the one-line error, `reason` why."""
-    when: Callable
-    message: str
-    reason: str
-
-
-def _free_given(r) -> bool:
-    free = spec_types(r.spec_type, r.draft)
-    return bool(free) and free != ["auto"]
-
-
-RULES: tuple[Rule, ...] = (
-    Rule(lambda r: bool(r.precision) and (not r.mem or r.plan_dir or r.rpc or (r.strategy or "stream") != "stream"),
-         "--precision auto plans precision with residency under --mem: not with --plan, --rpc or another "
-         "--strategy", "the requantized file and its plan are made together under this machine's budget; a saved "
-         "plan or a placement across devices was made for another file"),
-    Rule(lambda r: r.sparsity is not None and bool(r.precision or r.draft or r.rpc or r.plan_dir or r.chat),
-         "--sparsity: not with --precision, -md, --rpc, --plan or -cnv",
-         "a level is its own grouped file run through the expert-selective path: each of a tree's tokens reads its "
-         "own groups (measured not to pay on the 1.5B, docs/neurons.md); with --rpc, --plan or -cnv it is not built"),
-    Rule(lambda r: (bool(r.draft) or _free_given(r)) and r.flash_attn == "off" and bool(r.rpc),
-         "speculation with --rpc verifies its trees with flash attention: not with -fa off", FLASH_ATTN_OFF),
-    Rule(lambda r: (bool(r.draft) or _free_given(r)) and (r.n_ubatch == 1 or r.n_batch < 2),
-         "speculation (-md, --spec-type) verifies trees of 2 tokens or more a pass: -b and -ub at least 2",
-         "a tree is verified in one forward pass"),
-    Rule(lambda r: bool(r.forced) and (bool(r.draft) or _free_given(r) or r.chat),
-         "a forced text decodes token by token: not with -md, --spec-type or -cnv",
-         "teacher forcing measures the target's decode as a text routes it; a tree or a conversation would choose "
-         "other tokens"),
-    Rule(lambda r: bool(r.rpc and r.draft), "--rpc and -md: speculation with a draft model runs on this machine only",
-         "not built: the draft's placement beside the target's on the servers (free drafters do run with --rpc, "
-         "their trees kept under the servers' tiled kernels' 8 rows)"),
-)
-
-
-def check(r) -> None:
-    """Each concern's own check, then the checks across concerns: a one-line FlexoffloadError for the first that
-    fails."""
-    for concern in r.concerns().values():
-        concern.check()
-    if not r.prompt:
-        raise FlexoffloadError("no prompt: give one with -p TEXT or -f FILE")
-    for rule in RULES:
-        if rule.when(r):
-            raise FlexoffloadError(rule.message)
-
-
-def refusals_table() -> str:
-    """RULES as a markdown table (docs/options.md)."""
-    rows = ["| refused | why |", "| --- | --- |"]
-    rows += [f"| {rule.message} | {rule.reason} |" for rule in RULES]
-    return "\n".join(rows)
-
-
 def options_table() -> str:
     """OPTIONS as a markdown table (docs/options.md): flags, default, commands, concern."""
     rows = ["| option | flags | default | commands | concern |", "| --- | --- | --- | --- | --- |"]
     for o in OPTIONS:
         flags = " ".join(f"`{f}`" for f in o.flags) or "(API only)"
+        concern = {"": "request", "command": "the command's own"}.get(o.concern, o.concern)
         default = "" if o.name == "n_threads" else repr(o.default)
-        rows.append(f"| {o.name} | {flags} | {default} | {', '.join(o.commands)} | {o.concern or 'request'} |")
+        default += "".join(f" ({c}: {v!r})" for c, v in o.command_defaults.items())
+        rows.append(f"| {o.name} | {flags} | {default} | {', '.join(o.commands)} | {concern} |")
     return "\n".join(rows)
 
 

@@ -22,7 +22,7 @@ import pytest
 
 from conftest import cli
 from test_equality import llama_completion
-from flexoffload import options
+from flexoffload import rules
 from flexoffload.bench import machines
 from flexoffload.gguf import synth
 
@@ -144,7 +144,7 @@ def _refused(stderr: str) -> str:
     assert "Traceback" not in stderr, stderr[-3000:]
     last = lines[-1] if lines else stderr.strip().splitlines()[-1]
     text = last.removeprefix("Error: ").removeprefix("flexoffload: ")
-    documented = [r.message for r in options.RULES] + list(MODEL_RULES) + ["No such option"]
+    documented = [r.message for r in rules.RULES] + list(MODEL_RULES) + ["No such option"]
     assert any(d in text for d in documented), f"refused, but by no documented rule: {text}"
     return text
 

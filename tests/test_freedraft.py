@@ -157,15 +157,15 @@ def test_merge_takes_the_most_confident_nodes_with_their_parents_under_the_budge
 
 
 def test_spec_types_are_checked():
-    from flexoffload import FlexoffloadError, options
+    from flexoffload import FlexoffloadError, rules
 
-    assert options.spec_types("ngram-simple,recycle", None) == ["ngram-simple", "recycle"]
-    assert options.spec_types("auto", None) == ["auto"]
-    assert options.spec_types("none", None) == []
-    assert options.spec_types("model,recycle", "x") == ["recycle"]
+    assert rules.spec_types("ngram-simple,recycle", None) == ["ngram-simple", "recycle"]
+    assert rules.spec_types("auto", None) == ["auto"]
+    assert rules.spec_types("none", None) == []
+    assert rules.spec_types("model,recycle", "x") == ["recycle"]
     for bad in ("ngram-cache", "auto,recycle", "model", "layers", "recycle,layers"):
         with pytest.raises(FlexoffloadError):
-            options.spec_types(bad, None)
+            rules.spec_types(bad, None)
 
 
 # --- on the native library --------------------------------------------------------------------------------------

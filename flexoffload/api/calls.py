@@ -8,7 +8,7 @@ import tempfile
 from dataclasses import replace
 
 import flexoffload.gguf.model
-from flexoffload import FlexoffloadError, options
+from flexoffload import FlexoffloadError, rules
 from flexoffload.gguf import catalog
 from flexoffload.measure import lookahead, probe, profiler, tracing, tuning
 from flexoffload.memory import budgets
@@ -99,5 +99,5 @@ def experts(model, slots: list[int] | None = None, text: str | None = None, n_th
 
 
 def check(r: Request) -> None:
-    """A request's options checked (options.check): a one-line FlexoffloadError, before anything is read."""
-    options.check(r)
+    """A request's options checked (rules.check): a one-line FlexoffloadError, before anything is read."""
+    rules.check(r)

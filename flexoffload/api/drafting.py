@@ -15,7 +15,7 @@ from flexoffload.defaults import cache_dir, file_key
 from flexoffload.gguf import catalog
 from flexoffload.gguf.model import load
 from flexoffload.measure import probe, profiler, requantize, tuning
-from flexoffload.options import spec_types
+from flexoffload.rules import spec_types
 from flexoffload.plan import plans
 from flexoffload.plan import costmodel, qtypes
 from flexoffload.plan.planners import resident_bytes

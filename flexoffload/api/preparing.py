@@ -15,7 +15,7 @@ import logging
 from dataclasses import replace
 from pathlib import Path
 
-from flexoffload import FlexoffloadError, options
+from flexoffload import FlexoffloadError, rules
 from flexoffload.defaults import IO_THREADS, cache_dir
 from flexoffload.gguf import catalog, moefy
 from flexoffload.gguf.model import Model, load
@@ -147,7 +147,7 @@ def _saved_decision(w):
         w = replace(w, n_ubatch=d["n_ubatch"], n_batch=max(w.n_batch, d["n_batch"]), flash_attn=d["flash_attn"])
     if w.draft and not d.get("draft"):  # the plan was made for the target alone: its memory has no room for -md
         w = replace(w, draft=None)
-    if options.spec_types(w.spec_type, w.draft) == ["auto"]:
+    if rules.spec_types(w.spec_type, w.draft) == ["auto"]:
         w = replace(w, spec_type=",".join(["model"] * bool(w.draft) + d.get("free", [])) or "none")
     return w, d
 
@@ -218,7 +218,7 @@ def prepare(request, n_seq_max: int = 1, server: bool = False) -> Prepared:
     server: serve's (llama-server speculates its own way, drafting.for_server).
 
     Bad input is a FlexoffloadError here, before any cgroup is made or weight is read."""
-    options.check(request)
+    rules.check(request)
     auto = request.strategy is None
     w = replace(request, strategy=request.strategy or ("stream" if request.mem or request.plan_dir else "mmap"))
     model, named = _model(w)
@@ -240,7 +240,7 @@ def prepare(request, n_seq_max: int = 1, server: bool = False) -> Prepared:
         chosen = drafting.for_server(model, w, limit, n_seq_max, notes)
     elif w.draft and n_seq_max == 1:
         chosen = drafting.with_model(model, load(catalog.resolve(w.draft)), w, limit, notes)
-    elif n_seq_max == 1 and options.spec_types(w.spec_type, None):
+    elif n_seq_max == 1 and rules.spec_types(w.spec_type, None):
         chosen = drafting.free(model, w, limit, notes)  # (a tree's prompt is read at -b, as -md's)
     if chosen.alone:
         w = _long_prompt(w, model, limit, n_prompt, notes)

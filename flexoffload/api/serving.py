@@ -24,7 +24,8 @@ def serve(request, n_parallel: int, listen, enforce: bool = False, extra: tuple[
     many sequences, the same settings, cgroup and page-cache handling; the speculation run would choose, as
     llama-server's own), behind the front (runtime/server.py: listen is its Listen), until SIGINT or SIGTERM.
     on_ready(port, load_s, prepared, enforced) once it answers; tiled: llama.cpp's tiled kernels instead of the
-    row-by-row ones (server.environment); returns server.Served."""
+    row-by-row ones (server.environment); returns server.Served. options.request_for("serve", ...) makes a request
+    with serve's own defaults (-c 4096, as the command line's)."""
     p = prepare(replace(request, prompt=request.prompt or " "), n_seq_max=n_parallel, server=True)  # no prompt
     tell(p.notes)
     limit = p.limit if enforce and enforceable(p) else None

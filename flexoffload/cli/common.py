@@ -23,24 +23,31 @@ def _click_type(o: options.Option):
         return click.Path(file_okay=False)
     if o.path == "file":
         return click.Path(exists=True, dir_okay=False)
+    if o.path == "new":
+        return click.Path(dir_okay=False)
     return o.type
 
 
 def click_options(command: str):
-    """A decorator giving a click command every option options.OPTIONS gives it, in the table's order; each keeps its
-    Request field's name as its parameter."""
+    """A decorator giving a click command (a name of options.COMMANDS or TOOLS) every option options.OPTIONS gives
+    it, in the table's order; each keeps its Request field's name as its parameter."""
     def decorate(f):
         for o in reversed([o for o in options.OPTIONS if command in o.commands and o.flags]):
             default = o.default_for(command)
             kwargs = dict(help=o.help_for(command), default=default, required=command in o.required_by)
-            if o.flag_value is not None:
-                kwargs.update(flag_value=o.flag_value)
-            elif o.is_flag:
+            if o.is_flag:
                 kwargs.update(is_flag=True)
-            elif _click_type(o) is not None:
-                kwargs.update(type=_click_type(o))
+                if o.flag_value is not None:
+                    kwargs.update(flag_value=o.flag_value)
+            else:
+                if _click_type(o) is not None:
+                    kwargs.update(type=_click_type(o))
+                if o.flag_value is not None:  # a value that may be left off: --tune is --tune 3
+                    kwargs.update(is_flag=False, flag_value=o.flag_value)
             if o.metavar:
                 kwargs["metavar"] = o.metavar
+            if o.envvar:
+                kwargs.update(envvar=o.envvar, show_envvar=True)
             if default is not None and not o.is_flag and o.name != "model":
                 kwargs["show_default"] = True
             f = click.option(*o.flags, o.name, **kwargs)(f)

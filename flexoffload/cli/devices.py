@@ -6,14 +6,12 @@ import json
 
 import click
 
-from flexoffload.cli.common import _errors_as_one_line
+from flexoffload.cli.common import _errors_as_one_line, click_options
 from flexoffload.memory.budgets import format_size
 
 
 @click.command()
-@click.option("--rpc", "rpc", metavar="HOST:PORT,...", help="RPC servers (ggml-rpc-server) to ask as well")
-@click.option("--links", is_flag=True, help="with --rpc: time each server's link (round trip, MB/s each way)")
-@click.option("--json", "as_json", is_flag=True, help="print the devices as JSON")
+@click_options("devices")
 @_errors_as_one_line
 def devices(rpc, links, as_json):
     """The backends a plan can place tensors on, with their memory: this machine's, and RPC servers'."""

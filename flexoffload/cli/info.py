@@ -6,20 +6,19 @@ import json
 
 import click
 
-from flexoffload.cli.common import _errors_as_one_line
+from flexoffload.cli.common import _errors_as_one_line, click_options
 from flexoffload.gguf import catalog
 from flexoffload.memory.budgets import format_size
 
 
 @click.command()
-@click.option("-m", "--model", "model_spec", metavar="MODEL", help=f"GGUF path or catalog name [default: {catalog.DEFAULT_MODEL}]")
-@click.option("--json", "as_json", is_flag=True, help="print the table as JSON")
+@click_options("info")
 @_errors_as_one_line
-def info(model_spec, as_json):
+def info(model, as_json):
     """The tensor table, grouped by layer and kind, with types, sizes and file offsets."""
     from flexoffload.gguf.model import KINDS, load
 
-    model = load(catalog.resolve(model_spec, fetch_missing=False))
+    model = load(catalog.resolve(model, fetch_missing=False))
     layers = sorted({t.layer for t in model.tensors if t.layer is not None})
     if as_json:
         click.echo(json.dumps({

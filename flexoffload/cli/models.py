@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from flexoffload import FlexoffloadError
-from flexoffload.cli.common import _errors_as_one_line
+from flexoffload.cli.common import _errors_as_one_line, click_options
 from flexoffload.gguf import catalog
 from flexoffload.gguf import synth  # synth's choices are its shapes; cheap to import (no numpy until it writes)
 from flexoffload.memory.budgets import format_size
@@ -20,7 +20,7 @@ def models():
 
 
 @models.command("list")
-@click.option("--json", "as_json", is_flag=True)
+@click_options("models list")
 def models_list(as_json):
     """Names, sizes, paths and whether each is present."""
     rows = [{"name": e.name, "description": e.description, "size": e.size, "path": str(catalog.model_path(e)),
@@ -47,13 +47,7 @@ def models_fetch(names):
 
 @models.command("synth")
 @click.argument("shape", type=click.Choice(list(synth.SHAPES)))
-@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="where to write the GGUF")
-@click.option("--qtype", type=click.Choice(synth.QTYPES), default="Q4_0", show_default=True)
-@click.option("--seed", default=0, show_default=True)
-@click.option("--routing", type=click.Choice(synth.ROUTINGS), default="random", show_default=True,
-              help="a mixture of experts' routers: random weights (a cache's best case) or by the token (text-like)")
-@click.option("--tokenizer", metavar="MODEL", help="copy this model's vocabulary (a GGUF or a catalog name), so real "
-              "text tokenizes as it would for it")
+@click_options("models synth")
 @_errors_as_one_line
 def models_synth(shape, output, qtype, seed, routing, tokenizer):
     """Write a synthetic GGUF with random weights and a real shape (its text is noise, its timing is real)."""

@@ -12,7 +12,7 @@ import click
 
 from flexoffload import FlexoffloadError
 from flexoffload import options
-from flexoffload.cli.common import _errors_as_one_line, click_options
+from flexoffload.cli.common import _errors_as_one_line, _read_prompt, click_options
 from flexoffload.measure import tuning
 from flexoffload.plan import plans
 from flexoffload.gguf import catalog
@@ -127,26 +127,17 @@ def _plan_precision(model, budget, profile, ctx_size, batch_size, threads, io_th
 
 @click.command()
 @click_options("plan")
-@click.option("-o", "--output", "out_dir", type=click.Path(file_okay=False),
-              help="directory for tensors.ot, plan.json and run.json (what run --plan DIR then runs)")
-@click.option("--tune", "tune_best", type=int, default=None, is_flag=False, flag_value=3, metavar="[N]",
-              help="measure the N best predicted plans (3) and every baseline policy under the enforced budget, "
-                   "keep the fastest (run --mem then uses it)")
-@click.option("--tune-rounds", default=2, show_default=True, help="runs of each candidate, in turn")
-@click.option("--max-prompt", is_flag=True,
-              help="report the longest prompt --mem holds (and the ubatch it needs), instead of writing a plan")
-@click.option("--prompt-len", type=int, default=None, metavar="L",
-              help="report a prefill of L tokens step by step at each ubatch (memory: its peak and what it leaves)")
-@click.option("--json", "as_json", is_flag=True)
 @_errors_as_one_line
-def plan(out_dir, tune_best, tune_rounds, max_prompt, prompt_len, as_json, **params):
+def plan(out_dir, tune_best, tune_rounds, max_prompt, prompt_len, as_json, prompt_file, **params):
     """Choose which tensors stay resident under a budget; write tensors.ot and plan.json: what `run` with the same
     flags would run (run --plan DIR then runs it)."""
     from flexoffload import api
     from flexoffload.gguf.model import load
     from flexoffload.measure import profiler
 
-    r = options.Request(prompt=" ", **options.request_fields(params))
+    fields = options.request_fields(params)
+    text = fields.pop("prompt")  # -p or -f: planned for that prompt (its ubatch); neither: one token's
+    r = options.Request(prompt=_read_prompt(text, prompt_file) if text is not None or prompt_file else " ", **fields)
     model = load(catalog.resolve(r.model))
     if max_prompt or prompt_len is not None:
         attention = "on" if r.flash_attn == "auto" else r.flash_attn

@@ -169,38 +169,9 @@ def _profile_neurons(model, threads: int, n_group: int | None, levels: str | Non
 
 @click.command()
 @click_options("profile")
-@click.option("--remeasure", is_flag=True, help="measure again even if a profile is cached")
-@click.option("--ops", is_flag=True,
-              help="time every weight's operator (MUL_MAT, GET_ROWS) for a decoded token and a prompt ubatch")
-@click.option("-b", "--batch-size", type=int, default=None,
-              help="with --ops: the prompt ubatch timed [default: 64]; with --experts: the prompt ubatch replayed "
-                   "[default: 512]")
-@click.option("--rpc", "servers", metavar="HOST:PORT,...",
-              help="with --ops: each RPC server's device as well (its compute against this CPU's, a visit's cost, "
-                   "its link), from whole tokens with layers placed on it")
-@click.option("--precision", "sensitivity", is_flag=True,
-              help="measure the harm of each lower type per group of tensors (KL divergence, UQEst) for "
-                   "plan --precision auto")
-@click.option("--groups", "n_groups", default=4, show_default=True, help="with --precision: layer groups per kind")
-@click.option("--types", "ladder", default=",".join(LADDER),
-              show_default=True, help="with --precision: the lower types a tensor may take")
-@click.option("--experts", is_flag=True,
-              help="a mixture of experts: record which experts a text routes to (cached) and replay it through an "
-                   "expert cache: hit rate by policy, Belady's bound, bytes read and tok/s predicted")
-@click.option("--slots", metavar="N,N,...", help="with --experts: cache sizes, in experts a layer [default: none, "
-                                                 "one token's, a quarter, half, three quarters of the experts]")
-@click.option("-f", "--file", "text_file", metavar="FILE",
-              help="with --experts: the text to trace [default: HumanEval 0-39 with solutions]")
-@click.option("--neurons", is_flag=True,
-              help="a dense model's FFN neurons as a hot set and groups a predictor picks (cached): at each level, "
-                   "the KL divergence, the bytes a token reads and the predictor's recall, for run --sparsity")
-@click.option("--neuron-groups", type=click.IntRange(min=1), default=None, help="with --neurons: groups a layer [32]")
-@click.option("--levels", metavar="K,K,...", default=None,
-              help="with --neurons: the groups a token reads, measured [default: 16,20,24,28,30,32 of 32]")
-@click.option("--json", "as_json", is_flag=True)
 @_errors_as_one_line
-def profile(model, n_threads, remeasure, ops, batch_size, servers, sensitivity, n_groups, ladder, experts, slots,
-            text_file, neurons, neuron_groups, levels, as_json):
+def profile(model, n_threads, remeasure, ops, n_batch, rpc, sensitivity, n_groups, ladder, experts, slots,
+            prompt_file, neurons, neuron_groups, levels, as_json):
     """Measure disk bandwidth and compute speed for the cost model (cached per model file)."""
     from flexoffload.gguf.model import load
     from flexoffload.measure import profiler
@@ -208,9 +179,9 @@ def profile(model, n_threads, remeasure, ops, batch_size, servers, sensitivity, 
 
     threads = n_threads
     model = load(catalog.resolve(model))
-    if servers and not ops:
+    if rpc and not ops:
         raise FlexoffloadError("--rpc profiles the servers' devices with --ops")
-    if (slots or text_file) and not experts:
+    if (slots or prompt_file) and not experts:
         raise FlexoffloadError("--slots and -f go with --experts")
     if (levels or neuron_groups is not None) and not neurons:
         raise FlexoffloadError("--neuron-groups and --levels go with --neurons")
@@ -218,13 +189,13 @@ def profile(model, n_threads, remeasure, ops, batch_size, servers, sensitivity, 
         _profile_neurons(model, threads, neuron_groups, levels, as_json)
         return
     if experts:
-        _profile_experts(model, threads, slots, text_file, batch_size or 512, remeasure, as_json)
+        _profile_experts(model, threads, slots, prompt_file, n_batch or 512, remeasure, as_json)
         return
     if sensitivity:
         _profile_precision(model, threads, n_groups, ladder, remeasure, as_json)
         return
     if ops:
-        _profile_ops(model, threads, batch_size or 64, remeasure, as_json, servers)
+        _profile_ops(model, threads, n_batch or 64, remeasure, as_json, rpc)
         return
     p = profiler.measure(model, threads, remeasure=remeasure)
     tok_s = 1.0 / compute_seconds(model, p)

@@ -10,8 +10,6 @@ import click
 from flexoffload import FlexoffloadError, options
 from flexoffload.cli.common import _errors_as_one_line, click_options, _read_prompt, _report
 
-RUN_ONLY = ("prompt_file", "enforce", "as_json", "system_prompt", "text")  # run's own flags, not Request fields
-
 
 def request_from_args(args: list[str]):
     """The Request `flexoffload run` arguments make, as the command line reads them (for scripts)."""
@@ -22,7 +20,7 @@ def request_from_args(args: list[str]):
 def _request(params: dict, ctx: click.Context):
     """The Request from run's parsed flags: the prompt read from -p/-f as llama.cpp reads it; with -cnv, -p, -f or
     -sys are the system message and a reply runs to the end of its turn (llama-cli's)."""
-    prompt, prompt_file, system = params.get("text"), params.get("prompt_file"), params.get("system_prompt")
+    prompt, prompt_file, system = params.get("prompt"), params.get("prompt_file"), params.get("system_prompt")
     fields = options.request_fields(params)
     if system is not None and not fields["chat"]:
         raise FlexoffloadError("-sys is the system message of a conversation: add -cnv")
@@ -40,12 +38,7 @@ def _request(params: dict, ctx: click.Context):
 
 
 @click.command()
-@click.option("-p", "--prompt", "text", help="prompt text")
-@click.option("-f", "--file", "prompt_file", metavar="FILE", help="read the prompt from FILE")
-@click.option("--enforce", is_flag=True, help="hold the run to --mem with a memory cgroup and report its peak")
 @click_options("run")
-@click.option("-sys", "--system-prompt", "system_prompt", metavar="TEXT", help="with -cnv: the system message")
-@click.option("--json", "as_json", is_flag=True, help="print one JSON object instead of text and timings")
 @_errors_as_one_line
 def run(**params):
     """Generate text from a prompt (with -md: speculation by a resident draft model; -cnv: a conversation)."""

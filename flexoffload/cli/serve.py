@@ -10,17 +10,6 @@ from flexoffload.cli.common import _errors_as_one_line, click_options
 
 
 @click.command()
-@click.option("--enforce", is_flag=True, help="hold the server to --mem with a memory cgroup")
-@click.option("-np", "--parallel", "n_parallel", default=4, show_default=True,
-              help="sequences decoded together (requests beyond wait)")
-@click.option("--host", default="127.0.0.1", show_default=True, help="address(es) to listen on, comma-separated")
-@click.option("--port", default=8080, show_default=True, help="port to listen on (0: any free one)")
-@click.option("--api-key", envvar="FLEXOFFLOAD_API_KEY", show_envvar=True, default=None,
-              help="every endpoint but /health needs `Authorization: Bearer KEY`")
-@click.option("--queue", default=32, show_default=True, help="requests that may wait for a sequence; beyond, 503")
-@click.option("--tiled", is_flag=True, help="llama.cpp's tiled kernels for passes of 8 rows or more: about a quarter "
-              "faster with 8 or more requests decoding, but a greedy text may then differ from run's at a near tie "
-              "(default: row by row, every request's text run's)")
 @click_options("serve")
 @click.argument("llama_args", nargs=-1, type=click.UNPROCESSED, metavar="[-- LLAMA_SERVER_FLAGS...]")
 @_errors_as_one_line
@@ -39,7 +28,7 @@ def serve(enforce, n_parallel, host, port, api_key, queue, tiled, llama_args, **
         raise FlexoffloadError("-np must be at least 1 and --queue at least 0")
     if not 0 <= port <= 65535:
         raise FlexoffloadError(f"--port must be between 0 and 65535, not {port}")
-    request = options.Request(prompt=" ", **options.request_fields(params))
+    request = options.request_for("serve", prompt=" ", **options.request_fields(params))
     ctx_size = request.n_ctx
     hosts = tuple(h.strip() for h in host.split(",") if h.strip())
     listen = server.Listen(hosts=hosts, port=port, api_key=api_key or None, queue=queue)

@@ -16,10 +16,7 @@ from pathlib import Path
 from flexoffload import FlexoffloadError, native
 from flexoffload.gguf.model import Model, Tensor
 
-# The lower types a plan may choose, highest precision first. K-quants and IQ types need rows of 256 weights;
-# the 32-weight types are for the rest (Qwen2.5-0.5B's 896-wide rows). IQ types are left to --types: the CPU runs
-# them more slowly than K-quants of the same size, and a plan should ask for that trade.
-LADDER = ("Q8_0", "Q6_K", "Q5_K", "Q5_0", "Q4_K", "Q4_0", "Q3_K", "Q2_K")
+from flexoffload.defaults import LADDER  # noqa: F401  (the lower types a plan may choose: the options' --types)
 
 
 @dataclass(frozen=True)

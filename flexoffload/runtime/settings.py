@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from flexoffload.defaults import CHUNK_BYTES, IO_THREADS, WINDOW
+from flexoffload.defaults import CHUNK_BYTES, IO_THREADS, KV_TYPES, WINDOW  # noqa: F401  (KV_TYPES: importable here)
 
 
 @dataclass
@@ -45,7 +45,6 @@ class Settings:
 
 
 FLASH_ATTN = {"auto": -1, "off": 0, "on": 1}  # enum llama_flash_attn_type
-KV_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "bf16": 30}  # enum ggml_type
 
 
 def context_params(lib, settings: Settings):
