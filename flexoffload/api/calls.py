@@ -12,7 +12,7 @@ from flexoffload import FlexoffloadError, rules
 from flexoffload.gguf import catalog
 from flexoffload.measure import lookahead, probe, profiler, tracing, tuning
 from flexoffload.memory import budgets
-from flexoffload.options import Budget, Draft, Generation, Placement, Precision, Request, request
+from flexoffload.options import BY_NAME, Budget, Draft, Generation, Placement, Precision, Request, request
 from flexoffload.plan import locality, replay
 from flexoffload.plan.costmodel import compute_seconds
 from flexoffload.api.running import execute, run_in_cgroup
@@ -56,7 +56,8 @@ def generate(model, prompt: str | None = None, generation: Generation = Generati
         return execute(prepare(request(model, prompt or "", generation, budget, draft, placement, precision)), **run)
 
 
-def tune(model, budget: int, profile, n_ctx: int = 2048, n_batch: int = 512, n_best: int = 3, rounds: int = 2,
+def tune(model, budget: int, profile, n_ctx: int = BY_NAME["n_ctx"].default, n_batch: int = BY_NAME["n_batch"].default,
+         n_best: int = BY_NAME["tune_best"].flag_value, rounds: int = BY_NAME["tune_rounds"].default,
          n_predict: int = 8):
     """plan --tune (measure/tuning.py): the candidate plans each run cold under the enforced budget, in turn."""
 

@@ -6,18 +6,23 @@ without an Engine, llama-server's process is started from them (server.py), and 
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 from flexoffload.defaults import CHUNK_BYTES, IO_THREADS, KV_TYPES, WINDOW  # noqa: F401  (KV_TYPES: importable here)
+from flexoffload.options import BY_NAME
+
+
+def _default(name: str):
+    """The options table's default (one default for every command and the API)."""
+    return BY_NAME[name].default
 
 
 @dataclass
 class Settings:
-    n_ctx: int = 2048
-    n_batch: int = 512
-    n_threads: int = os.cpu_count() or 1
-    temp: float = 0.8
+    n_ctx: int = _default("n_ctx")
+    n_batch: int = _default("n_batch")
+    n_threads: int = _default("n_threads")
+    temp: float = _default("temp")
     seed: int = 0xFFFFFFFF  # llama.cpp's LLAMA_DEFAULT_SEED: a random seed
     strategy: str = "mmap"
     streamed_patterns: tuple[str, ...] = ()  # regexes (tensors.ot) of the tensors to stream
@@ -32,9 +37,9 @@ class Settings:
     n_outputs: int = 1  # logits rows one forward pass returns (a speculation tree needs one per node)
     n_seq_max: int = 1  # sequences in the KV cache (a speculation tree: one per branch, in one unified cache)
     n_ubatch: int = 0  # tokens a forward pass computes at once (llama.cpp's -ub); 0: n_batch
-    flash_attn: str = "auto"  # on, off, or auto (llama.cpp decides: on for this CPU backend)
-    type_k: str = "f16"  # the KV cache's types (-ctk, -ctv); a quantized V needs flash attention
-    type_v: str = "f16"
+    flash_attn: str = _default("flash_attn")  # on, off, or auto (llama.cpp decides: on for this CPU backend)
+    type_k: str = _default("cache_type_k")  # the KV cache's types (-ctk, -ctv); a quantized V needs flash attention
+    type_v: str = _default("cache_type_v")
     decode_ubatch: int = 0  # after the prompt: the ubatch decode runs with (its compute buffers sized for it); 0: same
     resident_after_prefill: tuple[str, ...] = ()  # streamed tensors made resident when decode starts (prefill.py)
     rpc: tuple[str, ...] = ()  # RPC servers (HOST:PORT) whose devices tensors may be placed on
