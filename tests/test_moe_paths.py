@@ -275,3 +275,29 @@ def test_free_drafters_on_a_moe_streamed_by_expert_keep_its_greedy_text(tmp_path
     assert t["n_drafted"] > 0 and t["expert_uses"] > 0, t
     auto = json.loads(cli("run", *flags, "--spec-type", "auto", check=True).stdout)
     assert auto["tokens"] == alone["tokens"] and "spec" not in auto
+
+
+def test_lookahead_says_once_where_a_saved_plan_streams_the_routers(tmp_path, private_cache):
+    """A plan given by --plan that streams the routers, with lookahead on, is told in one note before the run (the
+    runtime would skip those layers' predictions silently); the same plan with its routers resident says nothing."""
+    from flexoffload.plan import plans
+
+    shape = dataclasses.replace(synth.SHAPES["qwen3moe-tiny"], n_layer=3, **STREAMED["qwen3moe-tiny"])
+    path = synth.write(tmp_path / "moe.gguf", shape, seed=SEED["qwen3moe-tiny"], routing="text")
+    prepared, m = _by_expert(path, 4)
+    plan = dataclasses.replace(prepared.plan, experts=dataclasses.replace(prepared.plan.experts, lookahead=True))
+    routers = tuple(t.name for t in m.tensors if t.kind == "router")
+    assert not set(routers) & set(plan.streamed)
+    moved = sum(t.n_bytes for t in m.tensors if t.kind == "router")
+    blind = dataclasses.replace(plan, streamed=plan.streamed + routers,
+                                resident=tuple(n for n in plan.resident if n not in routers),
+                                memory=dataclasses.replace(plan.memory, resident=plan.memory.resident - moved))
+    said = {}
+    for name, saved in (("kept", plan), ("blind", blind)):
+        plans.write(saved, tmp_path / name)
+        again = api.prepare(request_from_args(["-m", str(path), "--plan", str(tmp_path / name), "-p", PROMPT, "-n",
+                                               "4", "--spec-type", "none", "--temp", "0"]))
+        assert again.settings.expert_lookahead
+        said[name] = [n for n in again.notes if "lookahead" in n]
+    assert said["kept"] == []
+    assert len(said["blind"]) == 1 and f"streams {len(routers)} of the routers" in said["blind"][0]

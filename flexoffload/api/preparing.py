@@ -212,6 +212,18 @@ def settings_for(w, plan, limit: int | None, model, tree: bool) -> tuple[engine.
     return settings, decode_tok_s
 
 
+def _lookahead_blind(model, plan) -> list[str]:
+    """Lookahead predicts the next layer's experts through that layer's router in memory (patch 0029): a plan that
+    streams routers (one given by --plan, edited) leaves those layers unpredicted, which the runtime does silently."""
+    streamed = set(plan.streamed)
+    routers = [t for t in model.tensors if t.kind == "router" and t.name in streamed]
+    if not routers:
+        return []
+    return [f"flexoffload: lookahead: the plan streams {len(routers)} of the routers ({routers[0].name}, ...), and a "
+            "streamed router is not predicted through: those layers' experts are read only once chosen (keep the "
+            "routers resident, or --expert-lookahead off)"]
+
+
 def prepare(request, n_seq_max: int = 1, server: bool = False) -> Prepared:
     """Everything before loading: the model, the budget, the plan, and whether drafting pays at this budget.
     n_seq_max: the sequences decoded together (serve's -np): the plan counts a decode batch and a logits row of each.
@@ -264,6 +276,8 @@ def prepare(request, n_seq_max: int = 1, server: bool = False) -> Prepared:
             notes.append(note)
             w, plan, mmap_plan = replace(w, strategy="mmap"), None, tuning.mmap_candidate(model, limit, plan)
     settings, decode_tok_s = settings_for(w, plan, limit, model, not chosen.alone)
+    if settings.expert_lookahead and plan is not None:
+        notes += _lookahead_blind(model, plan)
     p = Prepared(request, model, limit, plan, settings, decode_tok_s=decode_tok_s, notes=notes, mmap_plan=mmap_plan)
     if not chosen.alone:
         p.draft, p.free, p.draft_bytes = chosen.draft, chosen.free, chosen.bytes
