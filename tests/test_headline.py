@@ -88,6 +88,30 @@ def test_the_table_goes_between_the_markers_only():
         hl.replace_between("no markers here", "new")
 
 
+def test_a_row_names_the_builds_that_made_it():
+    old = [record("r", 0, "p", "ours", 1.0)]
+    new = [dataclasses.replace(r, commit="4d51e44cd0123", native="5d1a22ae7d45b4ec") for r in old]
+    assert hl.build(old) == "not recorded (before patches 0022-0030)"
+    assert hl.build(new + old) == "4d51e44cd, native 5d1a22ae; not recorded"
+
+
+def test_the_readme_s_table_is_what_scripts_headline_table_makes_of_the_csv(tmp_path):
+    """`scripts/headline --table results/headline.csv` writes the README's block as it stands: every number in the
+    table comes from the CSV, none edited by hand."""
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    readme = shutil.copy(root / "README.md", tmp_path / "README.md")
+    subprocess.run([sys.executable, str(root / "scripts" / "headline"), "--table", str(root / "results" /
+                    "headline.csv"), "-o", str(tmp_path / "headline"), "--readme", str(readme)],
+                   check=True, capture_output=True, timeout=300)
+    assert Path(readme).read_text() == (root / "README.md").read_text()
+    assert (tmp_path / "headline.md").read_text().strip() in Path(readme).read_text()
+
+
 def test_the_recycling_table_is_reset_before_each_run_and_the_users_is_put_back(tmp_path):
     store, warm = tmp_path / "table.npz", tmp_path / "warm.npz"
     store.write_text("the user's")

@@ -348,8 +348,8 @@ def _value(s: Summary, metric: str) -> str:
 def table(rows: list[Row], records: list[Record]) -> str:
     """The README's table: a line per row measured (in rows' order), its system's median and range, each baseline
     with its ratio or tie."""
-    lines = ["| capability | model | setting | flexoffload | baselines (median, range; ours against each) |",
-             "| --- | --- | --- | --- | --- |"]
+    lines = ["| capability | model | setting | flexoffload | baselines (median, range; ours against each) | build |",
+             "| --- | --- | --- | --- | --- | --- |"]
     for row in rows:
         mine = [r for r in records if r.row == row.name]
         if not mine:
@@ -359,8 +359,16 @@ def table(rows: list[Row], records: list[Record]) -> str:
                  for s in others]
         prompts, repetitions = len({r.prompt for r in mine}), len({r.rep for r in mine})
         lines.append(f"| {row.capability} | {row.model} | {row.setting}; {prompts} prompts x {repetitions} | "
-                     f"{first.system} {_value(first, row.metric)} | {'; '.join(cells)} |")
+                     f"{first.system} {_value(first, row.metric)} | {'; '.join(cells)} | {build(mine)} |")
     return "\n".join(lines)
+
+
+def build(records: list[Record]) -> str:
+    """The commits and native builds that made a row's runs (a row's runs before they were recorded: said so)."""
+    made = dict.fromkeys(f"{r.commit[:9]}, native {r.native[:8]}" if r.commit else "not recorded" for r in records)
+    if list(made) == ["not recorded"]:
+        return "not recorded (before patches 0022-0030)"
+    return "; ".join(made)
 
 
 def replace_between(text: str, body: str) -> str:
