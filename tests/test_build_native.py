@@ -52,3 +52,53 @@ def test_the_cached_build_is_made_from_its_own_copy_of_the_tree():
     [source] = [line.split("=", 1)[1] for line in cache.splitlines() if line.startswith("CMAKE_HOME_DIRECTORY:")]
     assert os.path.samefile(source, native / "src")
     assert (native / "src" / "tests" / "CMakeLists.txt").exists()
+
+
+STUB_CMAKE = """#!/usr/bin/env bash
+# a stand-in for cmake: records each call; a configure writes the cache a real one would, naming its source
+echo "$*" >> "$CMAKE_CALLS"
+if [ "$1" = -S ]; then
+    mkdir -p "$4"
+    echo "CMAKE_HOME_DIRECTORY:INTERNAL=$2" > "$4/CMakeCache.txt"
+fi
+"""
+
+
+def test_the_build_is_redone_exactly_when_its_key_or_its_state_says_so(tmp_path):
+    """build_native's rules, with cmake stubbed (its calls counted): a first run configures and builds; a second
+    with nothing changed only checks the key; a build left half done (no .complete) or configured from another
+    tree is redone; a change to patches/series is a new key, a new build beside the old one."""
+    repo, env = _scratch_repo(tmp_path)
+    stub = tmp_path / "bin" / "cmake"
+    stub.parent.mkdir()
+    stub.write_text(STUB_CMAKE)
+    stub.chmod(0o755)
+    calls = tmp_path / "calls"
+    wheels = tmp_path / "cache" / "wheels"
+    wheels.mkdir()
+    (wheels / "llama_cpp_python-0.3.36-py3-none-any.whl").write_text("")  # the bindings' wheel: not this test's
+    env = {**env, "PATH": f"{stub.parent}:{env['PATH']}", "CMAKE_CALLS": str(calls)}
+
+    def build() -> list[str]:
+        calls.write_text("")
+        r = subprocess.run(["bash", str(repo / "scripts" / "build_native")], env=env, capture_output=True, text=True,
+                           timeout=600)
+        assert r.returncode == 0, r.stderr
+        return calls.read_text().splitlines()
+
+    def configured_and_built(lines: list[str]) -> bool:
+        return len(lines) == 2 and lines[0].startswith("-S") and lines[1].startswith("--build")
+
+    assert configured_and_built(build())
+    [out] = (tmp_path / "cache" / "native").glob("[0-9a-f]*")
+    assert (out / ".complete").is_file() and (repo / "build" / "native").resolve() == out.resolve()
+    assert build() == []  # nothing changed: the key checked, nothing run
+    (out / ".complete").unlink()  # a build stopped half way
+    assert configured_and_built(build())
+    (out / "build" / "CMakeCache.txt").write_text(f"CMAKE_HOME_DIRECTORY:INTERNAL={tmp_path}/elsewhere\n")
+    assert configured_and_built(build())  # configured from a clone's tree, since deleted
+    with open(repo / "patches" / "series", "a") as f:
+        f.write("# a change to the series is a new key\n")
+    assert configured_and_built(build())
+    assert len(list((tmp_path / "cache" / "native").glob("[0-9a-f]*"))) == 2
+    assert (repo / "build" / "native").resolve() != out.resolve()

@@ -37,6 +37,22 @@ DRAFT = dataclasses.replace(DENSE, n_layer=1)  # the target's vocabulary
 MODEL_RULES = {"predicted neurons are built for a dense": "predicted neurons are groups of a dense FFN's "
                "neurons; a mixture of experts has no dense FFN to group"}
 RESULTS: dict[tuple[str, str], str] = {}
+# what each pair is expected to do: runs equal to the reference, unless listed here, refused by the rule whose message
+# (or model rule's) starts so, or by click where the command has no such option (the options table says which)
+REFUSED = {
+    ("md", "rpc"): "--rpc and -md", ("md", "sparsity"): "--sparsity: not with",
+    ("cnv", "sparsity"): "--sparsity: not with", ("moe", "sparsity"): "predicted neurons are built for a dense",
+    ("plan", "precision"): "--precision auto plans precision", ("rpc", "precision"): "--precision auto plans precision",
+    ("precision", "sparsity"): "--sparsity: not with", ("rpc", "sparsity"): "--sparsity: not with",
+    ("plan", "sparsity"): "No such option", ("precision", "serve"): "No such option",
+    ("sparsity", "serve"): "No such option",
+}
+DOC = os.path.join(os.path.dirname(__file__), "..", "docs", "options.md")
+
+
+def expected(a: str, b: str) -> str:
+    """"equal", or "refused: " and the start of the refusal."""
+    return f"refused: {REFUSED[(a, b)]}" if (a, b) in REFUSED else "equal"
 
 
 @pytest.fixture(scope="module")
@@ -151,6 +167,13 @@ def _refused(stderr: str) -> str:
 
 @pytest.mark.parametrize("a,b", list(itertools.combinations(FEATURES, 2)))
 def test_a_pair_runs_as_the_reference_or_is_refused_by_a_rule(a, b, models, request, tmp_path):
+    """Each pair does what REFUSED and the table say of it: equal, or refused by that rule."""
+    _pair(a, b, models, request, tmp_path)
+    got, want = RESULTS[(a, b)], expected(a, b)
+    assert got == want if want == "equal" else got.startswith(want), f"{a} + {b}: {got}, expected {want}"
+
+
+def _pair(a, b, models, request, tmp_path):
     flags, how = _flags((a, b), models, request.getfixturevalue("endpoint") if "rpc" in (a, b) else None)
     model = how["model"]
     if how["plan"]:
@@ -193,6 +216,42 @@ def _context_flags(flags: list[str]) -> list[str]:
     """The context settings among flags (the reference conversation runs the file alone with them)."""
     keep = ("-c", "-b", "-ub", "-fa", "-ctk", "-ctv", "-t")
     return [x for i in range(0, len(flags)) if flags[i] in keep for x in flags[i:i + 2]]
+
+
+def matrix_cells(text: str) -> dict[tuple[str, str], str]:
+    """The matrix of docs/options.md (between its markers): each pair's cell, "equal" or "refused"."""
+    block = text.split("<!-- matrix -->", 1)[1].split("<!-- /matrix -->", 1)[0]
+    lines = [line for line in block.splitlines() if line.startswith("| ")]
+    columns = [c.strip() for c in lines[0].strip("|").split("|")][1:]
+    cells = {}
+    for line in lines[1:]:
+        row, *values = [c.strip() for c in line.strip("|").split("|")]
+        cells.update({(row, col): v for col, v in zip(columns, values) if v})
+    return cells
+
+
+def test_the_documented_matrix_is_the_tested_one():
+    """docs/options.md's matrix says of every pair what this test expects of it (refresh: FLEXOFFLOAD_MATRIX and
+    scripts/options_doc --matrix)."""
+    with open(DOC) as f:
+        doc = matrix_cells(f.read())
+    want = {(a, b): expected(a, b).split(":")[0] for a, b in itertools.combinations(FEATURES, 2)}
+    assert doc == want
+    assert all(b in FEATURES and a in FEATURES for a, b in REFUSED)
+
+
+def test_a_refusal_expected_by_the_command_line_is_an_option_the_command_lacks():
+    """"No such option" is expected exactly where the options table gives the command no such flag."""
+    from flexoffload import options
+
+    flag_of = {"sparsity": "sparsity", "precision": "precision"}
+    command_of = {"plan": "plan", "serve": "serve"}
+    for (a, b), why in REFUSED.items():
+        if why != "No such option":
+            continue
+        [command] = [command_of[x] for x in (a, b) if x in command_of]
+        [feature] = [flag_of[x] for x in (a, b) if x in flag_of]
+        assert command not in options.BY_NAME[feature].commands
 
 
 def test_write_the_matrix():

@@ -19,8 +19,10 @@ def test_every_weight_operator_is_timed_and_a_ubatch_costs_more(tmp_path):
     assert "token_embd.weight" in p.decode  # its lookup (GET_ROWS)
     assert set(p.prompt) == set(p.decode)
     assert all(s >= 0 for s in p.decode.values()) and p.others_decode_s > 0
-    # 64 tokens through each matrix take longer than one
-    assert sum(p.prompt.values()) > sum(p.decode.values()) > 0
+    # 64 tokens through a matrix take longer than one: for most matrices, so that a busy machine's stall on a few
+    # (another process's reads, its threads) does not decide it
+    assert sum(p.decode.values()) > 0
+    assert sum(p.prompt[k] > p.decode[k] for k in matmul_weights) > 0.75 * len(matmul_weights)
 
 
 def test_profile_ops_is_cached_per_model(tmp_path, monkeypatch):

@@ -101,10 +101,15 @@ def test_real_model_stream_under_enforced_budget_records_what_it_read(real_model
     from flexoffload.measure import profiler
 
     before = profiler.seen_disk_bw(real_model)
-    out = run_json(real_model, PROMPT, 16, "--mem", "0.4x", "--enforce")
+    # streaming asked for: with the file in the page cache (another process's run) the plan may say mmap is as fast
+    out = run_json(real_model, PROMPT, 16, "--mem", "0.4x", "--enforce", "--strategy", "stream")
     size_mb = real_model.stat().st_size / 2**20
     assert out["enforced"] and out["strategy"] == "stream"
-    assert out["peak_mem_mb"] <= 0.4 * size_mb + 1
+    # the cgroup holds it at the budget whatever the plan: the peak is set against the plan's prediction instead,
+    # and a run not held by a cgroup stays within the budget too
+    assert out["peak_mem_mb"] <= out["planned_mb"] + 1 and out["planned_mb"] <= 0.4 * size_mb + 1
+    free = run_json(real_model, PROMPT, 4, "--mem", "0.4x", "--strategy", "stream")
+    assert not free.get("enforced") and free["peak_mem_mb"] <= 0.4 * size_mb
     t = out["timings"]
     assert t["stream_rereads"] == 0 and t["stream_direct"] == t["stream_reads"] > 0
     assert t["stream_bytes_read"] >= profiler.SUSTAINED_BYTES  # long enough to say something of the disk
@@ -584,10 +589,10 @@ def test_real_model_plans_and_runs_at_0_3x(real_model, tmp_path):
     plan = json.loads(r.stdout)
     assert "output.weight" in plan["streamed"] and plan["memory"]["total"] <= plan["budget"]
     base = run_json(real_model, PROMPT, 8, "--strategy", "mmap")
-    out = run_json(real_model, PROMPT, 8, "--mem", "0.3x", "--enforce")
+    out = run_json(real_model, PROMPT, 8, "--mem", "0.3x", "--enforce", "--strategy", "stream")  # whatever is cached
     size_mb = real_model.stat().st_size / 2**20
     assert out["enforced"] and out["strategy"] == "stream" and out["tokens"] == base["tokens"]
-    assert out["peak_mem_mb"] <= 0.3 * size_mb + 1
+    assert out["peak_mem_mb"] <= out["planned_mb"] + 1 and out["planned_mb"] <= 0.3 * size_mb + 1
     t = out["timings"]
     assert t["stream_rereads"] == 0 and t["stream_passes"] == out["n_gen"]
     assert t["stream_committed_peak"] < 80 << 20  # the window of the plan, not the 183 MiB output

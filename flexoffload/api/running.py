@@ -149,9 +149,16 @@ def execute(p: Prepared, on_text=None, enforce: bool = False, timeout: float | N
     servers could abort the process)."""
     tell(p.notes)
     if not enforce and p.settings.rpc:  # in a child: llama.cpp aborts the process when an RPC server fails
-        return run_in_cgroup(p, None, stream_text=on_text is not None, timeout=timeout)
+        return planned(p, run_in_cgroup(p, None, stream_text=on_text is not None, timeout=timeout))
     if not enforce or not enforceable(p):
-        return run_prepared(p, on_text)
+        return planned(p, run_prepared(p, on_text))
     result = run_in_cgroup(p, cgroup_limit or p.limit, stream_text=on_text is not None, timeout=timeout)
     result["budget_mb"] = p.limit / MiB
+    return planned(p, result)
+
+
+def planned(p: Prepared, result: dict) -> dict:
+    """The result with the memory the plan predicted for the run (planned_mb), to set beside its measured peak."""
+    if p.plan is not None:
+        result["planned_mb"] = p.plan.memory.total / MiB
     return result
