@@ -9,3 +9,7 @@ __version__ = "0.1.0"
 
 class FlexoffloadError(Exception):
     """An error the user can act on. The CLI prints it as one line and exits non-zero."""
+
+
+class BudgetTooSmall(FlexoffloadError):
+    """A budget below what the run needs: its message names the minimum (serve retries fewer sequences on it)."""

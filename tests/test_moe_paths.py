@@ -301,3 +301,30 @@ def test_lookahead_says_once_where_a_saved_plan_streams_the_routers(tmp_path, pr
         said[name] = [n for n in again.notes if "lookahead" in n]
     assert said["kept"] == []
     assert len(said["blind"]) == 1 and f"streams {len(routers)} of the routers" in said["blind"][0]
+
+
+def test_lookahead_asked_for_on_the_command_line_and_through_serve(tmp_path, private_cache):
+    """--expert-lookahead on and off from `run`: the same tokens, experts read on a prediction with it and none
+    without; `serve --expert-lookahead on` starts its llama-server with lookahead on and answers with run's text."""
+    import urllib.request
+
+    from test_serve import Serving
+
+    shape = dataclasses.replace(synth.SHAPES["qwen3moe-tiny"], n_layer=4, **STREAMED["qwen3moe-tiny"])
+    path = synth.write(tmp_path / "moe.gguf", shape, seed=SEED["qwen3moe-tiny"], routing="text")
+    prompt = " ".join(f"word{i} thing{i * 7}" for i in range(6))
+    m = load(path)
+    slots = m.n_expert_used + 2
+    prepared, _ = _by_expert(path, slots, prompt=prompt)
+    flags = ["-m", str(path), "--mem", str(prepared.limit), *SETTING, "--strategy", "stream", "--expert-reads",
+             "routed", "--expert-slots", str(slots)]
+    runs = {x: json.loads(cli("run", *flags, "--expert-lookahead", x, "--spec-type", "none", "-p", prompt, "-n",
+                              "12", "--temp", "0", "--json", check=True).stdout) for x in ("on", "off")}
+    assert runs["on"]["tokens"] == runs["off"]["tokens"]
+    assert runs["on"]["timings"]["expert_predicted"] > 0 == runs["off"]["timings"]["expert_predicted"]
+    with Serving(*flags, "--expert-lookahead", "on", "-np", "1") as s:
+        environ = open(f"/proc/{s.server_pid}/environ", "rb").read().split(b"\0")
+        assert b"LLAMA_STREAM_EXPERT_LOOKAHEAD=1" in environ
+        body = json.dumps({"prompt": prompt, "n_predict": 12, "temperature": 0}).encode()
+        with urllib.request.urlopen(urllib.request.Request(f"{s.base}/completion", body), timeout=300) as r:
+            assert json.loads(r.read())["content"] == runs["on"]["text"]

@@ -356,6 +356,21 @@ def minimum_mib(model: Path, *flags: str) -> int:
     return int(r.stderr.split("the minimum is ")[1].split()[0])
 
 
+def test_np_is_capped_where_the_budget_holds_fewer_sequences(tmp_path):
+    """-np 8 at a budget between one sequence's minimum and eight's: served with as many as fit, said on stderr
+    (a pass's logits rows of a 256k vocabulary, one a sequence, are what grows here)."""
+    path = synth.write(tmp_path / "wide.gguf", synth.SHAPES["gemma3-tiny-256k"])
+    flags = ("-c", "256", "-b", "32", "--spec-type", "none")
+    one, eight = minimum_mib(path, *flags, "-np", "1"), minimum_mib(path, *flags, "-np", "8")
+    assert eight > one
+    with Serving("-m", str(path), *flags, "-np", "8", "--mem", f"{(one + eight) // 2}M") as s:
+        said = "".join(s.lines)
+        capped = int(said.split("-np capped at ")[1].split(":")[0])
+        assert 1 <= capped < 8 and f"({capped} sequences of" in said
+        with s.client() as c:
+            assert c.completions.create(model="x", prompt="a b", max_tokens=4, temperature=0).choices[0].text
+
+
 def test_streamed_and_budgeted_run_in_a_cgroup(varied_model):
     """--mem with --enforce at the least budget: llama-server streams by the plan's -ot lines in a memory cgroup at
     the budget; each greedy text is llama-completion's on the same file, in memory (llama.cpp's own path, not run's:

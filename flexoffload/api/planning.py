@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-from flexoffload import FlexoffloadError
+from flexoffload import BudgetTooSmall
 from flexoffload.defaults import EXPERT_LOOKAHEAD, EXPERT_READS, IO_THREADS, WINDOW
 from flexoffload.measure import dryrun, lookahead, probe, profiler, servers, tracing, tuning
 from flexoffload.memory import budgets, stepmem
@@ -72,7 +72,7 @@ def _check_mmap(model, r, limit: int, draft: int, n_outputs: int) -> None:
     costs = dryrun.run_costs(model, setting, limit)
     need = smallest_budget(sum(costs.values()) + KERNEL_FIXED + budgets.largest_layer(model))
     if limit - draft < need:
-        raise FlexoffloadError(f"budget {format_size(limit - draft)} is too small for {model.path.name} at "
+        raise BudgetTooSmall(f"budget {format_size(limit - draft)} is too small for {model.path.name} at "
                                f"-c {r.n_ctx} -ub {setting.n_ubatch} (KV {r.cache_type_k}/"
                                f"{r.cache_type_v}): the minimum is {format_size(need, up=True)}")
 

@@ -33,7 +33,7 @@ def serve(enforce, n_parallel, host, port, api_key, queue, tiled, llama_args, **
     hosts = tuple(h.strip() for h in host.split(",") if h.strip())
     listen = server.Listen(hosts=hosts, port=port, api_key=api_key or None, queue=queue)
 
-    def ready(bound_port: int, load_s: float, prepared, enforced: bool) -> None:
+    def ready(bound_port: int, load_s: float, prepared, enforced: bool, n_parallel: int) -> None:
         plan = prepared.plan
         how = prepared.strategy
         if plan is not None:

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from flexoffload import FlexoffloadError
+from flexoffload import BudgetTooSmall, FlexoffloadError
 from flexoffload.memory.footprint import KERNEL_FIXED, smallest_budget
 
 MiB = 1 << 20
@@ -85,7 +85,7 @@ def check(model, budget: int, run, n_ctx: int, n_batch: int) -> None:
     naming the minimum."""
     need = minimum(model, run)
     if budget < need:
-        raise FlexoffloadError(
+        raise BudgetTooSmall(
             f"budget {format_size(budget)} is too small for {model.path.name} at -c {n_ctx} -b {n_batch}: "
             f"the minimum is {format_size(need, up=True)}")
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from flexoffload import FlexoffloadError
+from flexoffload import BudgetTooSmall, FlexoffloadError
 from flexoffload.defaults import IO_THREADS
 from flexoffload.gguf.model import Model
 from flexoffload.memory.budgets import format_size
@@ -144,7 +144,7 @@ def _moe_plan(model: Model, budget: int, policy: str, profile: Profile, window: 
     if best is None:
         need = minimum_budget(model, min(windows), kv_cache, compute, overhead, code) \
             + expertcache.memory(model, slots) - expertcache.memory(model, 0)
-        raise FlexoffloadError(f"budget {format_size(budget)} is too small for {model.path.name} with {slots} expert "
+        raise BudgetTooSmall(f"budget {format_size(budget)} is too small for {model.path.name} with {slots} expert "
                                f"slots a layer: the minimum is {format_size(need, up=True)}")
     seconds, p, c, experts = best
     if slots is None:
@@ -201,7 +201,7 @@ def _whole_plan(model: Model, budget: int, policy: str, profile: Profile, window
 
 def refuse_below(model: Model, budget: int, need: int, window: int) -> None:
     if budget < need:
-        raise FlexoffloadError(f"budget {format_size(budget)} is too small for {model.path.name} with window "
+        raise BudgetTooSmall(f"budget {format_size(budget)} is too small for {model.path.name} with window "
                                f"{window}: the minimum is {format_size(need, up=True)}")
 
 
