@@ -151,11 +151,11 @@ def set_profile(model_path, n_threads: int, tok_s: float, disk_bw: float):
 
     from flexoffload.defaults import write_atomic
     from flexoffload.gguf.model import load
-    from flexoffload.measure import profiler
+    from flexoffload.measure import diskrecord, profiler
     from flexoffload.plan.costmodel import Profile
 
     model = load(model_path)
-    for recorded in (profiler._seen_path(model.path), profiler._best_path(model.path)):
+    for recorded in (diskrecord._seen_path(model.path), diskrecord._best_path(model.path)):
         recorded.unlink(missing_ok=True)
     profile = Profile.calibrated(model, tok_s=tok_s, disk_bw=disk_bw)
     write_atomic(profiler._cache_path(model, n_threads), json.dumps(profile.to_dict(), indent=1))

@@ -15,7 +15,7 @@ from flexoffload.cli import request_from_args
 from flexoffload.defaults import cache_dir
 from flexoffload.gguf import synth
 from flexoffload.gguf.model import load
-from flexoffload.measure import probe, profiler
+from flexoffload.measure import diskrecord, probe, profiler
 from flexoffload.plan.planners import run_minimum
 
 # tensors over the 1 MiB that always stays resident, so a budget under the file streams some
@@ -70,7 +70,7 @@ def test_the_child_runs_the_parents_decision_when_the_recorded_disk_speed_change
     request = request_from_args(["-m", str(m.path), "-p", "a b c d", "-n", "6", "--temp", "0", "--spec-type",
                                  "none", "--strategy", "stream", "--mem", str(_streaming_budget(m)), *SETTING])
     p = api.prepare(request)
-    seen = profiler._seen_path(m.path)
+    seen = diskrecord._seen_path(m.path)
     slow = profiler.as_measured(m, 2).disk_bw / 10
     seen.parent.mkdir(parents=True, exist_ok=True)
     seen.write_text(json.dumps({"bytes_per_s": [slow] * 5, "file": str(m.path)}))

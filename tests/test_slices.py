@@ -33,7 +33,7 @@ def test_a_slice_is_the_models_first_layers_and_runs(name, tmp_path):
 
 
 def test_a_model_too_large_for_memory_is_timed_on_two_slices(tmp_path, monkeypatch):
-    """Each slice "takes" 10 ms plus 2 ms a layer (a fake in place of the in-memory timing): the whole model's token
+    """A slice's token "takes" 10 ms plus 2 ms a layer (a fake in place of the in-memory timing): the whole token
     is the rest plus every layer's, and the slices are gone afterwards."""
     src = synth.write(tmp_path / "m.gguf", synth.SHAPES["llama-moe-tiny"])
     n = synth.SHAPES["llama-moe-tiny"].n_layer
@@ -42,9 +42,9 @@ def test_a_model_too_large_for_memory_is_timed_on_two_slices(tmp_path, monkeypat
     def fake(path, n_threads, n_tokens=24):
         depth = load(path).n_layer
         timed.append(depth)
-        return 1.0 / (0.010 + 0.002 * depth)
+        return 0.010 + 0.002 * depth
 
-    monkeypatch.setattr(profiler, "compute_speed", fake)
+    monkeypatch.setattr(profiler, "token_seconds", fake)
     monkeypatch.setattr(profiler, "memory_bytes", lambda: 10 * os.path.getsize(src))
     assert profiler.sliced_speed(src, 2) == pytest.approx(1.0 / (0.010 + 0.002 * n))
     assert len(timed) == 2 and timed[0] < timed[1] <= n
