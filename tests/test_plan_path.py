@@ -13,28 +13,37 @@ from flexoffload import api
 from flexoffload.cli import request_from_args
 from flexoffload.gguf import synth
 
-DENSE = synth.Shape(n_layer=2, n_embd=256, n_ff=512, n_head=4, n_head_kv=2, n_vocab=4096, n_ctx_train=1024)
-MOE = dataclasses.replace(synth.SHAPES["qwen3moe-tiny"], n_embd=512, n_ff_expert=256, n_vocab=4096)
+DENSE = synth.Shape(n_layer=4, n_embd=512, n_ff=4096, n_head=4, n_head_kv=2, n_vocab=8192, n_ctx_train=1024)
+MOE = dataclasses.replace(synth.SHAPES["qwen3moe-tiny"], n_layer=4, n_embd=512, n_ff_expert=256, n_vocab=4096)
 SETTING = ["-c", "256", "-b", "32", "-t", "2", "--temp", "0", "-n", "8", "-p", "def add(a, b):"]
+ROOM = 3 << 20  # above the least budget: some tensors resident, the rest (over 1 MiB each) streamed
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     d = tmp_path_factory.mktemp("plan-path")
     return {"dense": synth.write(d / "dense.gguf", DENSE), "moe": synth.write(d / "moe.gguf", MOE, seed=1),
-            "draft": synth.write(d / "draft.gguf", dataclasses.replace(DENSE, n_layer=1), seed=1)}
+            "draft": synth.write(d / "draft.gguf", dataclasses.replace(DENSE, n_layer=1, n_ff=512), seed=1)}
 
 
 def _case(name, models) -> list[str]:
-    """The flags of a case: a budget under which something streams (set by the module's profile)."""
-    if name == "dense":
-        return ["-m", str(models["dense"]), "--mem", "72M", "--spec-type", "none"]
-    if name == "moe":
-        return ["-m", str(models["moe"]), "--mem", "80M", "--spec-type", "none", "--strategy", "stream"]
-    if name == "md":
-        return ["-m", str(models["dense"]), "--mem", "80M", "-md", str(models["draft"]), "--draft-always"]
-    return ["-m", str(models["dense"]), "--mem", "72M", "--precision", "auto", "--max-kld", "0.05",
-            "--spec-type", "none"]
+    """The flags of a case, its budget the least one plus ROOM: something streams."""
+    model = models["moe" if name == "moe" else "dense"]
+    flags = ["-m", str(model), "--strategy", "stream"]
+    flags += {"dense": ["--spec-type", "none"], "moe": ["--spec-type", "none"], "md": ["-md", str(models["draft"]), "--draft-always"],
+              "precision": ["--precision", "auto", "--max-kld", "0.05", "--spec-type", "none"]}[name]
+    own_types = flags[:flags.index("--precision")] if name == "precision" else flags  # lower types take less
+    refused = cli("plan", *own_types, *SETTING[:6], "--mem", "8M", "-o", "unused")  # a draft is 6 MiB
+    assert "the minimum is" in refused.stderr, refused.stderr
+    least = float(refused.stderr.split("the minimum is ")[1].split()[0])
+    return flags + ["--mem", f"{int(least * 2**20) + ROOM}"]
+
+
+def _plan(d: dict) -> dict:
+    """A plan.json's content but the quality plan --precision measures of its file (run does not measure it)."""
+    if d.get("precision"):
+        d = {**d, "precision": {k: v for k, v in d["precision"].items() if k != "measured"}}
+    return d
 
 
 @pytest.mark.parametrize("name", ["dense", "moe", "md", "precision"])
@@ -42,14 +51,14 @@ def test_plan_then_run_plan_is_run_mem(name, models, tmp_path, private_cache):
     for key in ("dense", "moe", "draft"):
         set_profile(models[key], 2, 200.0, disk_bw=2e8)  # a slow disk: the plans stream
     flags = _case(name, models)
-    made = cli("plan", *[f for f in flags if f != "--draft-always"], *SETTING[:6], *SETTING[-2:], "-o",
-               str(tmp_path / "plan"), "--json")
+    made = cli("plan", *flags, *SETTING[:6], *SETTING[-2:], "-o", str(tmp_path / "plan"), "--json")
     assert made.returncode == 0, made.stderr
     saved = json.loads((tmp_path / "plan" / "plan.json").read_text())
-    prepared = api.prepare(request_from_args([*flags, *SETTING]))
-    assert saved == json.loads(json.dumps(prepared.plan.to_dict()))
+    run_flags = [*flags, *SETTING]
+    prepared = api.prepare(request_from_args(run_flags))
+    assert _plan(saved) == _plan(json.loads(json.dumps(prepared.plan.to_dict())))
     assert saved["streamed"], "the case streams nothing: it says nothing of the path"
-    direct = json.loads(cli("run", *flags, *SETTING, "--json", check=True).stdout)
+    direct = json.loads(cli("run", *run_flags, "--json", check=True).stdout)
     draft = ["-md", str(models["draft"])] if name == "md" else []
     by_plan = json.loads(cli("run", "--plan", str(tmp_path / "plan"), "-m", flags[1], *draft, *SETTING, "--json",
                              check=True).stdout)

