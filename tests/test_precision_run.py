@@ -57,6 +57,7 @@ def test_run_precision_auto_enforced_runs_the_mixed_file(wide, cache):
     again = cli("run", "-m", str(wide.path), "--mem", "120M", "--precision", "auto", "--max-kld", "0.01", "-p", "x",
                 "-n", "1", "--temp", "0", "-t", "2")
     assert again.returncode == 0 and "measuring" not in again.stderr  # cached: nothing measured again
+    assert "the plan decided before for this budget and bound" in again.stderr  # nor the walk planned again
 
 
 def test_a_relative_budget_is_of_the_model_the_user_named(wide, cache, tmp_path):

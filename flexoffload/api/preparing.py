@@ -16,7 +16,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from flexoffload import FlexoffloadError, rules
-from flexoffload.defaults import IO_THREADS, cache_dir
+from flexoffload.defaults import IO_THREADS, cache_dir, content_key, file_key
 from flexoffload.gguf import catalog, moefy
 from flexoffload.gguf.model import Model, load
 from flexoffload.measure import precision, profiler, sparsity, tuning, ubatches
@@ -83,10 +83,19 @@ def _precision(w, model, limit: int):
     if w.draft:  # the target's plan leaves the resident draft its memory, and the tree its rows and sequences
         run = {"n_outputs": drafting.tree_outputs(w), "n_seq_max": spectree.MAX_BRANCHES + 1,
                "draft": drafting.draft_bytes(load(catalog.resolve(w.draft)), w)}
+    # decided once for these inputs and kept: the walk plans every step's residency (tens of seconds on the 1.5B),
+    # which a run at the same budget and bound would only repeat
+    inputs = (file_key(model.path), limit, w.n_ctx, w.n_batch, w.max_kld, w.min_tok_s, w.original, w.n_threads,
+              w.io_threads, sorted(run.items()), profiler.as_measured(model, w.n_threads).to_dict())
+    directory = cache_dir() / "plans" / model.path.stem / content_key(json.dumps(inputs, sort_keys=True, default=str))
+    if (directory / plans.PLAN_FILE).is_file():
+        plan = plans.read(directory)
+        if Path(plan.model).is_file():
+            log.info("--precision auto: the plan decided before for this budget and bound (%s)", directory)
+            return replace(w, model=plan.model, plan_dir=str(directory), precision=None), load(plan.model)
     plan, _ = precision.plan(model, limit, profiler.measure(model, w.n_threads), w.n_ctx, w.n_batch, w.max_kld,
                              w.min_tok_s, w.n_threads, w.io_threads, measure_quality=False,
                              original=Path(w.original) if w.original else None, **run)
-    directory = cache_dir() / "plans" / Path(plan.model).stem / f"{limit}-{w.n_ctx}-{w.n_batch}-{bool(w.draft)}"
     plans.write(plan, directory)
     return replace(w, model=plan.model, plan_dir=str(directory), precision=None), load(plan.model)
 
