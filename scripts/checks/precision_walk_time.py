@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """How long precision's walk (mixed.search: a residency plan at every step) takes on the real 1.5B at 0.6x, with a
 sensitivity table of the 1.5B's groups and candidate types (random harms: the walk's length, not its choice)."""
-import random  # noqa: E402
+import random
 import time
 
 from flexoffload.gguf import catalog
