@@ -1,6 +1,7 @@
 """A model's first layers as a GGUF of their own (gguf/slices.py), and the compute of a model too large for memory
-timed on two of them (measure/profiler.sliced_speed)."""
+timed on one of them and scaled by the cost model (measure/profiler.sliced_speed)."""
 
+import dataclasses
 import os
 
 import gguf
@@ -32,11 +33,16 @@ def test_a_slice_is_the_models_first_layers_and_runs(name, tmp_path):
             slices.write(src, tmp_path / "bad.gguf", bad)
 
 
-def test_a_model_too_large_for_memory_is_timed_on_two_slices(tmp_path, monkeypatch):
-    """A slice's token "takes" 10 ms plus 2 ms a layer (a fake in place of the in-memory timing): the whole token
-    is the rest plus every layer's, and the slices are gone afterwards."""
-    src = synth.write(tmp_path / "m.gguf", synth.SHAPES["llama-moe-tiny"])
-    n = synth.SHAPES["llama-moe-tiny"].n_layer
+@pytest.mark.parametrize("share", [10, 1.4])  # room for every layer; for about two thirds of them
+def test_a_model_too_large_for_memory_is_timed_on_a_slice_and_scaled(tmp_path, monkeypatch, share):
+    """A slice's token "takes" 10 ms plus 2 ms a layer (a fake in place of the in-memory timing): the slice as deep
+    as half the memory holds is timed, once, and the cost model calibrated on it gives the whole model's token
+    (the slice the whole model: its own time); the slice is gone afterwards."""
+    from flexoffload.plan.costmodel import Profile, compute_seconds
+
+    shape = dataclasses.replace(synth.SHAPES["llama-moe-tiny"], n_layer=6)
+    src = synth.write(tmp_path / "m.gguf", shape)
+    n = shape.n_layer
     timed = []
 
     def fake(path, n_threads, n_tokens=24):
@@ -45,10 +51,18 @@ def test_a_model_too_large_for_memory_is_timed_on_two_slices(tmp_path, monkeypat
         return 0.010 + 0.002 * depth
 
     monkeypatch.setattr(profiler, "token_seconds", fake)
-    monkeypatch.setattr(profiler, "memory_bytes", lambda: 10 * os.path.getsize(src))
-    assert profiler.sliced_speed(src, 2) == pytest.approx(1.0 / (0.010 + 0.002 * n))
-    assert len(timed) == 2 and timed[0] < timed[1] <= n
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf"]  # the slices removed
+    monkeypatch.setattr(profiler, "memory_bytes", lambda: int(share * os.path.getsize(src)))
+    got = profiler.sliced_speed(src, 2)
+    [deep] = timed
+    assert (deep == n) == (share == 10)
+    if deep == n:
+        assert got == pytest.approx(1.0 / (0.010 + 0.002 * n))
+    else:
+        (tmp_path / "part").mkdir()
+        part = load(slices.write(src, tmp_path / "part" / "p.gguf", deep))
+        calibrated = Profile.calibrated(part, tok_s=1.0 / (0.010 + 0.002 * deep), disk_bw=1.0)
+        assert got == pytest.approx(1.0 / compute_seconds(load(src), calibrated)) and got < 1.0 / fake(part.path, 2)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_file()) == ["m.gguf"]  # the slice removed
 
 
 def test_depths_fit_the_room_and_a_model_that_cannot_is_refused(tmp_path):

@@ -32,7 +32,7 @@ from flexoffload.measure import about
 from flexoffload.measure.diskrecord import (  # noqa: F401  (the disk's record, importable from here as before)
     IO_BOUND_SHARE, SEEN_KEEP, SUSTAINED_BYTES, best_disk_bw, record_disk_bw, record_run, seen_disk_bw,
     typical_disk_bw)
-from flexoffload.plan.costmodel import MATMUL_KINDS, Profile, chunk_rows, row_bytes
+from flexoffload.plan.costmodel import MATMUL_KINDS, Profile, chunk_rows, compute_seconds, row_bytes
 from flexoffload.plan.expertcache import HUGE_PAGE
 
 ALIGN = 4096  # O_DIRECT wants offset, length and buffer aligned to the logical block size; 4 KiB covers all
@@ -287,34 +287,31 @@ def compute_speed(path: str | os.PathLike, n_threads: int, n_tokens: int = 24) -
 
 
 def sliced_speed(path: str | os.PathLike, n_threads: int, n_tokens: int = 24) -> float:
-    """Decode tok/s with all weights in memory, for a model too large to hold: its first layers written as two
-    slices (gguf/slices.py) that fit, each timed in memory; a layer's seconds are the slope between them, the rest
-    (embeddings, output head) what the shallower one takes beyond its layers, and the whole model's token the rest
-    plus every layer's."""
+    """Decode tok/s with all weights in memory, for a model too large to hold: its first layers written as a slice
+    (gguf/slices.py) as deep as fits, timed in memory, and the cost model calibrated on it (Profile.calibrated: the
+    slice's token spread over the bytes its matmuls read, a tenth as fixed costs) gives the whole model's token. A
+    slope between two slices was tried first: it multiplies a timing's error by layers over depths (12 on the 120b)
+    and gave 2.9-32 tok/s for one model in one session."""
     import tempfile
 
     from flexoffload.gguf import slices
     from flexoffload.gguf.model import load
 
     model = load(path)
-    disk = shutil.disk_usage(model.path.parent).free - (1 << 30)  # one slice on disk at a time, a GiB to spare
+    disk = shutil.disk_usage(model.path.parent).free - (1 << 30)  # the slice on disk beside it, a GiB to spare
     try:
-        shallow, deep = slices.depths(model, min(int(IN_MEMORY_SHARE * memory_bytes()), disk))
+        _, deep = slices.depths(model, min(int(IN_MEMORY_SHARE * memory_bytes()), disk))
     except ValueError as e:  # in half the memory, or on the disk beside the file
         raise FlexoffloadError(f"{model.path.name}: {e} (half the memory, or the disk's free space beside the file): "
                                "its compute cannot be measured here") from None
-    log.info("%s is larger than half this machine's memory: its compute is timed on its first %d and %d layers "
-             "(slices written beside it, then removed), a layer's time the slope between them", model.path.name,
-             shallow, deep)
-    seconds = {}
+    log.info("%s is larger than half this machine's memory: its compute is timed on its first %d layers (a slice "
+             "written beside it, then removed) and scaled by the bytes a token reads", model.path.name, deep)
     with tempfile.TemporaryDirectory(prefix="flexoffload-slices-", dir=model.path.parent) as tmp:
-        for depth in (shallow, deep):
-            part = slices.write(model.path, Path(tmp) / f"{depth}.gguf", depth)
-            seconds[depth] = token_seconds(part, n_threads, n_tokens)
-            part.unlink()
-    layer = (seconds[deep] - seconds[shallow]) / (deep - shallow)
-    rest = max(seconds[shallow] - shallow * layer, 0.0)
-    return 1.0 / (rest + model.n_layer * layer)
+        part = slices.write(model.path, Path(tmp) / f"{deep}.gguf", deep)
+        seconds = token_seconds(part, n_threads, n_tokens)
+        calibrated = Profile.calibrated(load(part), tok_s=1.0 / seconds, disk_bw=1.0)
+        part.unlink()
+    return 1.0 / compute_seconds(model, calibrated)
 
 
 SLICE_TIMINGS = 3  # a slice's token timed this many times, the median kept
@@ -322,8 +319,7 @@ SLICE_TIMINGS = 3  # a slice's token timed this many times, the median kept
 
 def token_seconds(path: str | os.PathLike, n_threads: int, n_tokens: int, times: int = SLICE_TIMINGS) -> float:
     """A decoded token's seconds with every weight of path in memory: the median of `times` generations' median
-    tokens. A slope between slices multiplies an error by layers over depths (12 for the 120b's 3 and 6 of 36): a
-    mean over tokens let stalls through (3.0-12.2 tok/s for one model in one session)."""
+    tokens, so that a stalled moment of a busy machine does not decide it."""
     from flexoffload.runtime import engine
 
     warm_page_cache(path)
