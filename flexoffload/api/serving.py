@@ -25,9 +25,9 @@ def serve(request, n_parallel: int, listen, enforce: bool = False, extra: tuple[
     many sequences, the same settings, cgroup and page-cache handling; the speculation run would choose, as
     llama-server's own), behind the front (runtime/server.py: listen is its Listen), until SIGINT or SIGTERM.
     on_ready(port, load_s, prepared, enforced, n_parallel) once it answers (n_parallel: as capped, where the budget
-    holds fewer sequences than asked); tiled: llama.cpp's tiled kernels instead of the
-    row-by-row ones (server.environment); returns server.Served. options.request_for("serve", ...) makes a request
-    with serve's own defaults (-c 4096, as the command line's)."""
+    holds fewer sequences than asked); tiled: llama.cpp's tiled kernels instead of the row-by-row ones
+    (server.environment); returns server.Served. options.request_for("serve", ...) makes a request with serve's own
+    defaults (-c 4096, as the command line's)."""
     p, n_parallel = prepare_parallel(replace(request, prompt=request.prompt or " "), n_parallel)  # no prompt
     tell(p.notes)
     limit = p.limit if enforce and enforceable(p) else None
