@@ -16,7 +16,7 @@ from pathlib import Path
 from flexoffload import FlexoffloadError, native
 from flexoffload.gguf.model import Model, Tensor
 
-from flexoffload.defaults import LADDER  # noqa: F401  (the lower types a plan may choose: the options' --types)
+from flexoffload.defaults import LADDER  # the lower types a plan may choose (the options' --types default)
 
 
 @dataclass(frozen=True)
