@@ -20,13 +20,12 @@ from __future__ import annotations
 import itertools
 import os
 import re
-import subprocess
 import time
 from pathlib import Path
 
 from flexoffload import FlexoffloadError
 from flexoffload.memory.budgets import MemoryCgroup
-from flexoffload.native import SPIN_COUNT
+from flexoffload.native import SPIN_COUNT, process
 from flexoffload.native.devices import RPC_PORT, probe_rpc
 
 # namespaces fo-rpc-PID.START-K-i: the maker's pid and start time, K its process's count of Machines, i the machine
@@ -40,7 +39,7 @@ _made = itertools.count()  # this process's Machines
 def _run(*args: str, netns: str | None = None) -> None:
     """A command (ip, tc), in a network namespace if netns; a one-line error if it fails."""
     cmd = (["ip", "netns", "exec", netns] if netns else []) + list(args)
-    r = subprocess.run(cmd, capture_output=True, text=True)
+    r = process.run(cmd)
     if r.returncode != 0:
         raise FlexoffloadError(f"`{' '.join(cmd)}` failed: {r.stderr.strip()}")
 
@@ -57,16 +56,16 @@ def _owner(pid: int | str) -> str | None:
 
 def namespaces() -> list[str]:
     """The network namespaces on this machine (`ip netns list`), whoever made them."""
-    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    listed = process.run(["ip", "netns", "list"]).stdout
     return [line.split()[0] for line in listed.splitlines() if line.strip()]
 
 
 def _remove(ns: str) -> None:
     """Kill the processes in namespace ns and delete it (its veth pair goes with it)."""
-    pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()
+    pids = process.run(["ip", "netns", "pids", ns]).stdout.split()
     for pid in pids:
-        subprocess.run(["kill", "-9", pid], capture_output=True)
-    subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        process.run(["kill", "-9", pid])
+    process.run(["ip", "netns", "del", ns])
 
 
 def clean() -> list[str]:
@@ -83,7 +82,7 @@ def clean() -> list[str]:
 
 def _free_subnet(taken: set[int]) -> int:
     """The first k whose 10.77.k.0/24 no address of the host is in (nor taken)."""
-    shown = subprocess.run(["ip", "-o", "-4", "addr", "show"], capture_output=True, text=True).stdout
+    shown = process.run(["ip", "-o", "-4", "addr", "show"]).stdout
     used = taken | {int(k) for k in re.findall(rf"inet {re.escape(SUBNET)}\.(\d+)\.", shown)}
     for k in range(256):
         if k not in used:
@@ -109,7 +108,7 @@ class Machines:
         self._subnets: set[int] = set()
         self._namespaces: list[str] = []  # the ones made, removed on close
         self._cgroups: list[MemoryCgroup] = []
-        self._procs: list[subprocess.Popen] = []
+        self._procs: list[process.Popen] = []
 
     def __enter__(self) -> "Machines":
         clean()  # what a crashed maker left (its links would hold the subnets)
@@ -155,7 +154,7 @@ class Machines:
         self._procs.append(cgroup.popen(["nsenter", f"--net=/var/run/netns/{ns}", self.server, "-H", ip, "-p",
                                          str(RPC_PORT),
                                          "-t", str(self.threads)],
-                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                        stdout=process.DEVNULL, stderr=process.DEVNULL,
                                         env={**os.environ, "GOMP_SPINCOUNT": os.environ.get("GOMP_SPINCOUNT",
                                                                                            SPIN_COUNT)}))
         self.endpoints.append(f"{ip}:{RPC_PORT}")

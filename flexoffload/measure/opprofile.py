@@ -109,17 +109,17 @@ def measure(model_path: str, n_threads: int, n_batch: int = 64, n_tokens: int = 
 
 def cached(model, n_threads: int, n_batch: int = 64, remeasure: bool = False) -> OpProfile:
     """measure() in a child process (a model of its own), cached per model file, threads and batch."""
-    import subprocess
     import sys
+
+    from flexoffload.native import process
 
     path = cache_dir() / "ops" / f"{file_key(model.path)}-t{n_threads}-b{n_batch}-v1.json"
     if path.exists() and not remeasure:
         return OpProfile(**json.loads(path.read_text()))
     log.info("timing each operator of %s as llama.cpp's scheduler runs it, %d threads (once, cached): under a "
              "minute for a model of a few GB", model.path.name, n_threads)
-    r = subprocess.run([sys.executable, "-m", "flexoffload.measure.opprofile", str(model.path), str(n_threads),
-                        str(n_batch)],
-                       capture_output=True, text=True, timeout=1800)
+    r = process.run([sys.executable, "-m", "flexoffload.measure.opprofile", str(model.path), str(n_threads),
+                     str(n_batch)], 1800)
     if r.returncode != 0:
         last = [line for line in r.stderr.splitlines() if line.strip()][-1:] or [f"exit {r.returncode}"]
         raise FlexoffloadError(f"timing the operators of {model.path.name} failed: {last[0]}")
@@ -242,8 +242,9 @@ def device_cached(model, endpoint: str, n_threads: int, remeasure: bool = False,
     """measure_device in a child process (llama.cpp aborts the process when an RPC server fails), cached per model
     file, server and threads (a budget only limits what is placed to time it); the profile's name is left for the
     caller (the device's buffer type)."""
-    import subprocess
     import sys
+
+    from flexoffload.native import process
 
     safe = endpoint.replace(":", "_")
     path = cache_dir() / "devices" / f"{file_key(model.path)}-{safe}-t{n_threads}-v3.json"
@@ -252,8 +253,8 @@ def device_cached(model, endpoint: str, n_threads: int, remeasure: bool = False,
     log.info("profiling the device of the RPC server at %s with %s: a run of the model with each of a few "
              "placements (once per model and server, cached; `flexoffload profile -m MODEL --ops --rpc %s` does it "
              "ahead): about a minute", endpoint, model.path.name, endpoint)
-    r = subprocess.run([sys.executable, "-m", "flexoffload.measure.opprofile", "--device", str(model.path), endpoint,
-                        str(n_threads), str(budget or 0)], capture_output=True, text=True, timeout=1800)
+    r = process.run([sys.executable, "-m", "flexoffload.measure.opprofile", "--device", str(model.path), endpoint,
+                     str(n_threads), str(budget or 0)], 1800)
     if r.returncode != 0:
         from flexoffload.native import devices
 

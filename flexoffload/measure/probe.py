@@ -22,7 +22,6 @@ import importlib
 import json
 import os
 import re
-import subprocess
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -31,6 +30,7 @@ from flexoffload import FlexoffloadError
 from flexoffload.defaults import cache_dir, file_key, write_atomic
 from flexoffload.memory.budgets import MiB
 from flexoffload.memory.footprint import Footprint
+from flexoffload.native import process
 
 # The probe's process is a run's: it loads what an enforced run's child (`python -m flexoffload.api`, api/child.py)
 # has loaded by the time llama.cpp loads the model (by name, as `python -m` does), so the runtime it measures is a
@@ -75,10 +75,7 @@ def measure(model, n_ctx: int, n_batch: int, n_outputs: int = 1, n_seq_max: int 
 def child_json(cmd: list[str], what: str, timeout: int) -> dict:
     """The JSON a child process prints (a probe of llama.cpp, which may abort the process); its last stderr line as
     the error if it fails (the engine's errors name the model)."""
-    try:
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
-    except subprocess.TimeoutExpired:
-        raise FlexoffloadError(f"{what} did not finish in {timeout} s") from None
+    r = process.run(cmd, timeout, what=what)
     if r.returncode != 0:
         last = (r.stderr.strip().splitlines() or [f"exit {r.returncode}"])[-1]
         raise FlexoffloadError(last.removeprefix("flexoffload: "))

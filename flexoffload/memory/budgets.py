@@ -11,13 +11,13 @@ from __future__ import annotations
 import itertools
 import os
 import re
-import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from flexoffload import BudgetTooSmall, FlexoffloadError
 from flexoffload.memory.footprint import KERNEL_FIXED, smallest_budget
+from flexoffload.native import process
 
 MiB = 1 << 20
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
@@ -175,28 +175,17 @@ class MemoryCgroup:
     def __exit__(self, *exc) -> None:
         self._remove()
 
-    def popen(self, cmd: list[str], **kwargs) -> subprocess.Popen:
-        """Start cmd inside the cgroup, charged from its first allocation.
+    def popen(self, cmd: list[str], **kwargs) -> process.Popen:
+        """Start cmd inside the cgroup, charged from its first allocation: moved into it before it execs
+        (process.start's before_exec). kwargs: process.start's."""
+        return process.start(cmd, before_exec=self._take, **kwargs)
 
-        Not with preexec_fn (unsafe in a process with threads): a shell starts first and waits on a pipe, the
-        parent moves it into the cgroup, then lets it exec cmd. bash, not sh: the pipe's descriptor may be above 9,
-        which POSIX sh redirections cannot name."""
-        read_end, write_end = os.pipe()
-        wait_then_exec = f'read -r -u {read_end} _; exec {read_end}<&-; exec "$@"'
-        try:
-            proc = subprocess.Popen(["bash", "-c", wait_then_exec, "bash", *cmd], pass_fds=(read_end,), **kwargs)
-        finally:
-            os.close(read_end)
+    def _take(self, proc: process.Popen) -> None:
+        """Move proc into the cgroup."""
         try:
             (self.path / "cgroup.procs").write_text(str(proc.pid))
         except OSError as e:
-            os.close(write_end)
-            proc.kill()
-            proc.wait()
             raise FlexoffloadError(f"cannot move a process into {self.path}: {e.strerror}") from None
-        os.write(write_end, b"\n")
-        os.close(write_end)
-        return proc
 
     def peak(self) -> int:
         """The peak memory charged to the cgroup (page cache included), in bytes."""
@@ -282,9 +271,9 @@ def run_limited(cmd: list[str], limit: int | None, timeout: float | None = None,
     t0 = time.perf_counter()
     cgroup = MemoryCgroup(limit) if limit is not None else None
     try:
-        start = cgroup.popen if cgroup else subprocess.Popen
-        proc = start(cmd, stdin=None if interactive else subprocess.DEVNULL, stdout=subprocess.PIPE if capture_stdout else None,
-                     stderr=subprocess.PIPE)
+        start = cgroup.popen if cgroup else process.start
+        proc = start(cmd, stdin=None if interactive else process.DEVNULL, stdout=process.PIPE if capture_stdout else None,
+                     stderr=process.PIPE)
         unreclaimable, out, err = 0, b"", b""
         try:
             while True:  # the peak of what the run cannot give back, sampled: the kernel keeps no peak of it
@@ -293,7 +282,7 @@ def run_limited(cmd: list[str], limit: int | None, timeout: float | None = None,
                 try:
                     out, err = proc.communicate(timeout=0.02)
                     break
-                except subprocess.TimeoutExpired:
+                except process.TimeoutExpired:
                     if timeout is not None and time.perf_counter() - t0 > timeout:
                         raise FlexoffloadError(f"timed out after {timeout:.0f} s") from None
         except BaseException:  # a timeout, or this process stopped (Ctrl-C, SIGTERM): the child does not outlive it

@@ -3,7 +3,8 @@
 scripts/build_native builds one native tree into the cache and links it as build/native in the repo
 (and native/current in the cache). The bindings are installed without a native build of their own and
 find our libllama.so through LLAMA_CPP_LIB_PATH, which must be set before llama_cpp is imported. tools.py runs the
-build's tools to their end (llama-quantize, llama-imatrix, llama-perplexity) with one-line errors.
+build's tools to their end (llama-quantize, llama-imatrix, llama-perplexity) with one-line errors; process.py
+starts every process flexoffload starts, those tools' and its own.
 """
 
 from __future__ import annotations

@@ -6,13 +6,11 @@ FlexoffloadError naming the tool and its last error line, so a caller's user see
 
 from __future__ import annotations
 
-import subprocess
-
 from flexoffload import FlexoffloadError
-from flexoffload.native import tool
+from flexoffload.native import process, tool
 
 
-def failure(name: str, r: subprocess.CompletedProcess) -> FlexoffloadError:
+def failure(name: str, r: process.CompletedProcess) -> FlexoffloadError:
     """The one-line error of a tool that ended with a non-zero exit: its last line saying error or failed (else its
     last line), cut to 200 characters."""
     lines = [x for x in (r.stderr + r.stdout).splitlines() if x.strip()]
@@ -21,7 +19,7 @@ def failure(name: str, r: subprocess.CompletedProcess) -> FlexoffloadError:
     return FlexoffloadError(f"{name} failed (exit {r.returncode}): {why.strip()[:200]}")
 
 
-def run(name: str, args: list[str], timeout: float, n_threads: int | None = None) -> subprocess.CompletedProcess:
+def run(name: str, args: list[str], timeout: float, n_threads: int | None = None) -> process.CompletedProcess:
     """The tool's finished run (stdout and stderr as text), without a stdin; a one-line error on failure or when it
     does not end in timeout seconds.
 
@@ -30,11 +28,7 @@ def run(name: str, args: list[str], timeout: float, n_threads: int | None = None
     cmd = [str(tool(name))] + args
     if n_threads is not None:
         cmd += ["-t", str(n_threads)]
-    try:
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL,
-                           errors="replace")
-    except subprocess.TimeoutExpired:
-        raise FlexoffloadError(f"{name} did not end in {timeout:.0f} s") from None
+    r = process.run(cmd, timeout, what=name, errors="replace")
     if r.returncode != 0:
         raise failure(name, r)
     return r
@@ -47,11 +41,9 @@ def commit(where: str | None = None) -> str:
 
     cwd = where or str(Path(__file__).resolve().parent.parent.parent)
     try:
-        head = subprocess.run(["git", "rev-parse", "--short=9", "HEAD"], capture_output=True, text=True, cwd=cwd,
-                              timeout=30, stdin=subprocess.DEVNULL)
-        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD"], capture_output=True, cwd=cwd, timeout=30,
-                               stdin=subprocess.DEVNULL)
-    except (OSError, subprocess.TimeoutExpired):
+        head = process.run(["git", "rev-parse", "--short=9", "HEAD"], 30, cwd=cwd)
+        dirty = process.run(["git", "diff", "--quiet", "HEAD"], 30, cwd=cwd)
+    except (OSError, process.TimeoutExpired):
         return ""
     if head.returncode != 0:
         return ""

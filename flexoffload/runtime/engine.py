@@ -19,6 +19,7 @@ from contextlib import contextmanager
 from flexoffload import FlexoffloadError
 from flexoffload.defaults import STRATEGIES
 from flexoffload.native import llama_cpp
+from flexoffload.runtime.config import stream_config
 from flexoffload.runtime.results import Result, TextOut, stream_timings
 # KV_TYPES too: options.py takes it from here
 from flexoffload.runtime.settings import KV_TYPES, Settings, context_params, uses_flash_attention
@@ -189,9 +190,7 @@ class Engine:
             # streamed ones keep giving their pages back after use. A failed lock is a warning, not an error.
             raise_memlock_limit()
             mparams.load_mode = lib.LLAMA_LOAD_MODE_MLOCK
-            stream.configure(settings.window, settings.io_threads, chunk_bytes=settings.chunk_bytes)
-            stream.configure_experts(settings.expert_slots, settings.expert_policy, whole=settings.expert_whole,
-                                     ahead=settings.expert_ahead, lookahead=settings.expert_lookahead)
+            stream_config(settings).apply()  # as llama-server gets it (server.environment)
             buft = stream.buffer_type()
             overrides = [(p.encode(), buft) for p in settings.streamed_patterns] + overrides
         if overrides:

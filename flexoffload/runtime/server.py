@@ -16,7 +16,6 @@ import contextlib
 import os
 import shutil
 import signal
-import subprocess
 import tempfile
 import threading
 import time
@@ -26,6 +25,8 @@ from pathlib import Path
 from flexoffload import FlexoffloadError
 from flexoffload.defaults import MAP_K_SIZE, NGRAM_SIZES
 from flexoffload.memory.budgets import MemoryCgroup
+from flexoffload.native import process
+from flexoffload.runtime.config import stream_config
 from flexoffload.runtime.engine import Settings, drop_file_cache, raise_memlock_limit
 
 QUEUE = 32  # requests that may wait for a slot beyond the N generating (--queue)
@@ -141,8 +142,9 @@ def llama_server_args(model: str, settings: Settings, n_parallel: int, socket_pa
 
 
 def environment(settings: Settings, speculation: Speculation | None = None, tiled: bool = False) -> dict[str, str]:
-    """The streaming runtime's settings as the patched llama.cpp reads them from the environment (patches 0002,
-    0007), what engine.Engine sets through the C API (stream.configure); and the kernels (tiled: llama.cpp's own)."""
+    """llama-server's environment: the streaming runtime's configuration (config.stream_config: what engine.Engine
+    sets through the C API) as the LLAMA_STREAM_* variables the patched llama.cpp reads; and the kernels (tiled:
+    llama.cpp's own)."""
     env = {}
     if not tiled:
         # row-by-row kernels in every pass (patch 0009's switch): with the tiled ones (K-quants from 8 rows) a row
@@ -150,15 +152,9 @@ def environment(settings: Settings, speculation: Speculation | None = None, tile
         # a near tie could flip a greedy token; row by row, a request's text is run's whatever else is served and
         # speculation's is the target alone's. --tiled: llama.cpp's kernels, about a quarter faster for such passes.
         env["GGML_CPU_TILED_MM"] = "0"
-    if settings.strategy != "mmap":
-        env.update(LLAMA_STREAM_WINDOW=str(settings.window), LLAMA_STREAM_IO_THREADS=str(settings.io_threads),
-                   LLAMA_STREAM_CHUNK_BYTES=str(settings.chunk_bytes),
-                   # a mixture of experts' cache (patch 0018; stream.configure_experts): -1, all it read
-                   LLAMA_STREAM_EXPERT_SLOTS=str(settings.expert_slots),
-                   LLAMA_STREAM_EXPERT_POLICY=settings.expert_policy,
-                   LLAMA_STREAM_EXPERT_WHOLE=str(int(settings.expert_whole)),
-                   LLAMA_STREAM_EXPERT_AHEAD=str(int(settings.expert_ahead)),
-                   LLAMA_STREAM_EXPERT_LOOKAHEAD=str(int(settings.expert_lookahead)))
+    config = stream_config(settings)
+    if config is not None:  # what engine.Engine applies through the C API, from the same translation
+        env.update(config.environment())
     if settings.rpc:  # as an RPC run's child (native.spin_briefly): spinning threads share the cores
         from flexoffload.native import SPIN_COUNT
 
@@ -174,12 +170,10 @@ class Child:
         self.cgroup = MemoryCgroup(limit) if limit is not None else None
         self.log: collections.deque[str] = collections.deque(maxlen=200)
         self.verbose = verbose
-        pdeath = [shutil.which("setpriv"), "--pdeathsig", "TERM", "--"] if shutil.which("setpriv") else []
-        kwargs = dict(env={**os.environ, **env}, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                      stderr=subprocess.STDOUT, start_new_session=True)
+        start = self.cgroup.popen if self.cgroup else process.start
         try:
-            self.proc = self.cgroup.popen(pdeath + cmd, **kwargs) if self.cgroup else subprocess.Popen(pdeath + cmd,
-                                                                                                       **kwargs)
+            self.proc = start(cmd, pdeathsig="TERM", env={**os.environ, **env}, stdin=process.DEVNULL,
+                              stdout=process.PIPE, stderr=process.STDOUT, start_new_session=True)
         except BaseException:
             self.close()
             raise
@@ -246,7 +240,7 @@ class Child:
             self.signal(signal.SIGTERM)
             try:
                 proc.wait(STOP_WAIT_S)
-            except subprocess.TimeoutExpired:
+            except process.TimeoutExpired:
                 self.signal(signal.SIGKILL)
                 proc.wait()
         if self.cgroup:
