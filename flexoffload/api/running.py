@@ -86,6 +86,8 @@ def run_prepared(p: Prepared, on_text=None, read_line=None, note=None) -> dict:
     if "stream_read_gb_s" in timings:
         typical = p.tree is None and settings.window > 0  # a tree's passes are not
         profiler.record_run(path, timings, typical=typical)
+        if p.tree is None and timings.get("expert_uses"):  # a tree's passes also wait while the draft drafts
+            profiler.record_expert_run(path, timings)
     result.update(peak_mem_mb=budgets.peak_rss() / MiB, peak_source="rss", enforced=False,
                   budget_mb=p.limit / MiB if p.limit else None,
                   model={"path": path, "size": model.file_size, "name": model.name})

@@ -1,6 +1,7 @@
-"""The disk as this machine has shown it, per device: the best sustained read bandwidth (the roofline's ceiling) and
-the bandwidths of the last streamed runs the disk set the pace of (what plans predict with: typical_disk_bw).
-Kept in the cache beside the profiles; measure/profiler.py measures, this remembers."""
+"""The disk as this machine has shown it, per device: the best sustained read bandwidth (the roofline's ceiling),
+the bandwidths of the last streamed runs the disk set the pace of (what plans predict with: typical_disk_bw), and
+the rates the last MoE runs' expert reads met where they set the pace (typical_expert_bw). Kept in the cache beside
+the profiles; measure/profiler.py measures, this remembers."""
 
 from __future__ import annotations
 
@@ -75,7 +76,8 @@ def record_run(path, timings: dict, typical: bool = True) -> None:
     runs plans predict with (typical_disk_bw) unless typical is False: a speculative run's disk also waits while
     the draft drafts, and a run that does not read ahead (window 0) waits on each read in turn, so their bytes over
     their time say less than the disk can. Nor does a mixture of experts' run (expert_uses): its expert slices are
-    read in bursts after each router, which this disk serves at a third to half of a pass's speed (docs/moe.md)."""
+    read in bursts after each router, which this disk serves at a third to half of a pass's speed (docs/moe.md):
+    record_expert_run records those."""
     typical = typical and not timings.get("expert_uses")
     if timings.get("stream_bytes_read", 0) < SUSTAINED_BYTES or timings["stream_direct"] != timings["stream_reads"]:
         return
@@ -92,3 +94,65 @@ def record_run(path, timings: dict, typical: bool = True) -> None:
 def typical_disk_bw(path, measured: float) -> float:
     """The bandwidth to plan with: the median of a profile's measure and the recent runs the disk paced."""
     return statistics.median([measured, *seen_disk_bw(path)])
+
+
+# A mixture of experts' reads as runs have met them: bursts of expert slices after each router, which the profile
+# times in 3 s of one moment (profiler.expert_reads: latency + bytes / expert_read_bw) while this disk drifts (the
+# same file's bursts at 0.74-1.07 GB/s and 1.42-1.53 GB/s minutes apart, docs/moe.md). A run counts where its
+# expert reads set its pace: compute waited on reads for at least IO_BOUND_SHARE of its time, the expert slices
+# were at least half of what it read (else the waits are the dense tensors' too) and at least EXPERT_BYTES, all
+# O_DIRECT. Its rate: the expert bytes over those waits where nothing was read ahead (a burst then overlaps
+# nothing, so the wait is its time, as the plan counts it: plan/replay.py cost); where lookahead or a prompt's batch
+# read experts under compute, over the run's time (the waits would miss the hidden reads): a lower bound, as a dense
+# run's. The last SEEN_KEEP are kept per device.
+EXPERT_BYTES = SUSTAINED_BYTES
+EXPERT_SHARE = 0.5
+
+
+def _expert_path(path) -> Path | None:
+    try:
+        return cache_dir() / "profiles" / f"expert-seen-{os.stat(path).st_dev}.json"
+    except OSError:
+        return None
+
+
+def seen_expert_bw(path) -> list[float]:
+    """The rates (bytes/s) the expert reads of the last MoE runs on the device holding path met where they set the
+    run's pace, oldest first."""
+    seen = _expert_path(path)
+    try:
+        return [float(x) for x in json.loads(seen.read_text())["bytes_per_s"]] if seen else []
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+
+
+def expert_run_bw(timings: dict) -> float:
+    """The rate a MoE run's expert reads met (timings: engine.stream_timings'), or 0 where they did not set its
+    pace or say too little."""
+    n_bytes, total = timings.get("expert_bytes_read", 0), timings.get("stream_bytes_read", 0)
+    if (n_bytes < EXPERT_BYTES or n_bytes < EXPERT_SHARE * total or timings.get("stream_read_gb_s", 0) <= 0
+            or timings["stream_direct"] != timings["stream_reads"]):
+        return 0.0
+    elapsed, stall = total / (timings["stream_read_gb_s"] * 1e9), timings.get("stream_stall_s", 0.0)
+    if stall <= 0 or stall < IO_BOUND_SHARE * elapsed:
+        return 0.0
+    ahead = timings.get("expert_predicted", 0) or timings.get("expert_ahead", 0)
+    return n_bytes / (elapsed if ahead else stall)
+
+
+def record_expert_run(path, timings: dict) -> float:
+    """Remember the rate a MoE run's expert reads met (expert_run_bw) on the device holding path, where they set
+    its pace; that rate (0: none recorded)."""
+    bytes_per_s, seen = expert_run_bw(timings), _expert_path(path)
+    if bytes_per_s <= 0 or seen is None:
+        return 0.0
+    recent = (seen_expert_bw(path) + [bytes_per_s])[-SEEN_KEEP:]
+    write_atomic(seen, json.dumps({"bytes_per_s": recent, "file": str(path)}))
+    return bytes_per_s
+
+
+def typical_expert_bw(path, measured: float) -> float:
+    """The rate to plan a MoE's expert bursts with: the median of the profile's fit (measured; 0: none) and the
+    recent runs' rates; measured where no run recorded one."""
+    seen = seen_expert_bw(path)
+    return statistics.median([measured, *seen] if measured > 0 else seen) if seen else measured

@@ -30,8 +30,8 @@ from flexoffload.defaults import CHUNK_BYTES, IO_THREADS, cache_dir, file_key, w
 from flexoffload.gguf.model import Model
 from flexoffload.measure import about
 from flexoffload.measure.diskrecord import (  # noqa: F401  (the disk's record, importable from here as before)
-    IO_BOUND_SHARE, SEEN_KEEP, SUSTAINED_BYTES, best_disk_bw, record_disk_bw, record_run, seen_disk_bw,
-    typical_disk_bw)
+    IO_BOUND_SHARE, SEEN_KEEP, SUSTAINED_BYTES, best_disk_bw, record_disk_bw, record_expert_run, record_run,
+    seen_disk_bw, seen_expert_bw, typical_disk_bw, typical_expert_bw)
 from flexoffload.plan.costmodel import MATMUL_KINDS, Profile, chunk_rows, compute_seconds, row_bytes
 from flexoffload.plan.expertcache import HUGE_PAGE
 
@@ -343,10 +343,14 @@ def _cache_path(model: Model, n_threads: int) -> Path:
 
 def measure(model: Model, n_threads: int, remeasure: bool = False) -> Profile:
     """The machine's profile for this model, measured once and cached; its disk bandwidth the typical one, the
-    profile's passes and the streamed runs since (typical_disk_bw)."""
+    profile's passes and the streamed runs since (typical_disk_bw), and a MoE's expert read rate likewise, the
+    profile's bursts and the rates MoE runs' expert reads met since (typical_expert_bw)."""
     profile = as_measured(model, n_threads, remeasure)
-    return replace(profile, disk_bw=typical_disk_bw(model.path, profile.disk_bw),
-                   peak_disk_bw=best_disk_bw(model.path))
+    profile = replace(profile, disk_bw=typical_disk_bw(model.path, profile.disk_bw),
+                      peak_disk_bw=best_disk_bw(model.path))
+    if model.n_expert:  # a dense model's profile has no bursts to plan (and the device's record is MoE runs')
+        profile = replace(profile, expert_read_bw=typical_expert_bw(model.path, profile.expert_read_bw))
+    return profile
 
 
 def as_measured(model: Model, n_threads: int, remeasure: bool = False) -> Profile:
