@@ -20,10 +20,15 @@ from __future__ import annotations
 
 import csv
 import logging
+import os
 import re
 import shutil
+import signal
+import socket
 import statistics
+import threading
 import time
+from contextlib import contextmanager, suppress
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Callable
@@ -126,6 +131,8 @@ def flexoffload(with_draft: bool = False, **fields_) -> Callable[[Case], Outcome
         t0 = time.perf_counter()
         try:
             prepared = api.prepare(request)
+            if stopped.is_set():  # heard while preparing (in C, in this process): no child started
+                _stop()
             budgets.drop_page_cache()
             r = api.run_in_cgroup(prepared, case.limit, timeout=case.timeout)
         except FlexoffloadError as e:
@@ -250,6 +257,8 @@ def measure(rows: list[Row], repetitions: int, csv_path: Path, reset: Reset = Re
                 for name, case in cases:
                     first = None
                     for system in row.systems:
+                        if stopped.is_set():
+                            _stop()
                         reset()
                         out = system.run(case)
                         first = out.text if first is None else first
@@ -270,6 +279,68 @@ def measure(rows: list[Row], repetitions: int, csv_path: Path, reset: Reset = Re
                         if progress:
                             progress(rec)
     return records
+
+
+# --- stopping ---------------------------------------------------------------------------------------------------
+
+GRACE_S = 1.5  # what a stop's own unwind has to end the process before the watcher ends it
+stopped = threading.Event()  # SIGTERM heard: no run starts after it
+
+
+def _stop(*_) -> None:  # SIGTERM's handler, and a run about to start once it was heard
+    stopped.set()
+    raise SystemExit("headline: stopped")
+
+
+@contextmanager
+def stoppable(cleanup: Callable[[], None] = lambda: None):
+    """SIGTERM (`timeout N scripts/headline`) ends the headline promptly, cleanup run once. Python runs a handler
+    between the main thread's bytecodes only, not in a long C call (a decode in process: preparing, warming), and a
+    ctypes callback (llama.cpp's log, an eval callback) drops the SystemExit raised in it. So a thread hears the
+    signal too (the wakeup fd): no run starts after it, and past GRACE_S it cleans up, kills all children, exits."""
+    lock, done = threading.Lock(), []
+
+    def clean() -> None:
+        with lock:  # the main thread's unwind and the watcher's: the second waits for the first, then skips
+            if not done:
+                done.append(cleanup())
+
+    def watch() -> None:
+        while (heard := ears.recv(1)) and heard[0] != signal.SIGTERM:
+            pass
+        if heard:  # else the headline ended
+            stopped.set()
+            time.sleep(GRACE_S)
+            try:
+                clean()
+            finally:
+                _kill_children()
+                os._exit(128 + signal.SIGTERM)
+
+    ears, mouth = socket.socketpair()
+    mouth.setblocking(False)  # the C-level handler must never wait
+    old_fd, old = signal.set_wakeup_fd(mouth.fileno(), warn_on_full_buffer=False), signal.signal(signal.SIGTERM, _stop)
+    threading.Thread(target=watch, daemon=True).start()
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+        signal.set_wakeup_fd(old_fd)
+        clean()
+        mouth.shutdown(socket.SHUT_WR)  # a watcher that heard nothing ends
+
+
+def _kill_children() -> None:
+    """This process's children and theirs (/proc lists them by thread), killed: none outlives a stop."""
+    todo, found = [os.getpid()], []
+    while todo:
+        for f in Path(f"/proc/{todo.pop()}/task").glob("*/children"):
+            with suppress(OSError):  # gone meanwhile
+                found += (kids := [int(x) for x in f.read_text().split()])
+                todo += kids
+    for pid in found:
+        with suppress(ProcessLookupError):  # ended meanwhile
+            os.kill(pid, signal.SIGKILL)
 
 
 # --- the table --------------------------------------------------------------------------------------------------
@@ -377,33 +448,3 @@ def replace_between(text: str, body: str) -> str:
     if start < 0 or end < start:
         raise FlexoffloadError(f"the README has no {BEGIN} ... {END} markers")
     return text[:start + len(BEGIN)] + "\n" + body + "\n" + text[end:]
-
-
-def plot(rows: list[Row], records: list[Record], png: Path) -> None:
-    """A panel a row: each system's median as a bar, its range as the error bar."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    shown = [row for row in rows if any(r.row == row.name for r in records)]
-    if not shown:
-        return
-    fig, axes = plt.subplots(1, len(shown), figsize=(3.2 * len(shown), 3.6), squeeze=False)
-    colors = {"ours": "tab:blue", "alone": "tab:gray", "upstream": "tab:orange"}
-    for ax, row in zip(axes[0], shown):
-        summaries = summarize([r for r in records if r.row == row.name], row.metric)
-        xs = range(len(summaries))
-        ax.bar(xs, [s.median for s in summaries], color=[colors[s.side] for s in summaries],
-               yerr=[[s.median - s.low for s in summaries], [s.high - s.median for s in summaries]], capsize=3)
-        ax.set_xticks(list(xs), [s.system for s in summaries], rotation=35, ha="right", fontsize=7)
-        ax.set_title(row.name, fontsize=9)
-        ax.set_ylabel("decode tok/s" if row.metric == "decode_tok_s" else "time to first token, s", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(png, dpi=120)
-    plt.close(fig)
-
-
-def cgroup_bytes(model_bytes: int, draft_bytes: int = 0) -> int:
-    """The cgroup of a row whose weights all fit: the files twice over and a GiB (KV, buffers) to spare."""
-    return 2 * (model_bytes + draft_bytes) + 1024 * MiB
