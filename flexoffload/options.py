@@ -226,10 +226,11 @@ OPTIONS: tuple[Option, ...] = (
     Option("repetitions", ("-r", "--repetitions"), 3, "runs of each budget and strategy, in turn", ("bench",),
            "command"),
     # plan's
-    Option("tune_best", ("--tune",), None, "measure the N best predicted plans (3) and every baseline policy under "
-           "the enforced budget, keep the fastest (run --mem then uses it)", ("plan",), "command", type=int,
+    Option("tune", ("--tune",), None, "measure the N best predicted plans (3) and every baseline policy under "
+           "the enforced budget, keep the fastest (run --mem then uses it)", ("plan",), "budget", type=int,
            flag_value=3, metavar="[N]"),
-    Option("tune_rounds", ("--tune-rounds",), 2, "runs of each candidate, in turn", ("plan",), "command"),
+    Option("tune_rounds", ("--tune-rounds",), 2, "runs of each candidate, in turn", ("plan",), "budget",
+           minimum=1),
     Option("max_prompt", ("--max-prompt",), False, "report the longest prompt --mem holds (and the ubatch it needs), "
            "instead of writing a plan", ("plan",), "command", is_flag=True),
     Option("prompt_len", ("--prompt-len",), None, "report a prefill of L tokens step by step at each ubatch "

@@ -43,6 +43,8 @@ def _check_budget(b) -> None:
         raise FlexoffloadError("--window does not apply to sync: it reads each tensor when compute needs it")
     if b.strategy == "mmap" and (b.window is not None or b.io_threads is not None or b.plan_dir):
         raise FlexoffloadError("--window, --io-threads and --plan stream weights: not with --strategy mmap")
+    if b.tune is not None and (b.tune < 1 or b.tune_rounds < 1):
+        raise FlexoffloadError("--tune takes N >= 1 and --tune-rounds >= 1")
     if b.expert_reads not in EXPERT_READS:
         raise FlexoffloadError(f"unknown expert reads {b.expert_reads!r}: one of {', '.join(EXPERT_READS)}")
     if b.expert_lookahead not in EXPERT_LOOKAHEAD:
@@ -126,10 +128,12 @@ def _free_given(r) -> bool:
 
 
 RULES: tuple[Rule, ...] = (
-    Rule(lambda r: bool(r.precision) and (not r.mem or r.plan_dir or r.rpc or (r.strategy or "stream") != "stream"),
-         "--precision auto plans precision with residency under --mem: not with --plan, --rpc or another "
-         "--strategy", "the requantized file and its plan are made together under this machine's budget; a saved "
-         "plan or a placement across devices was made for another file"),
+    Rule(lambda r: bool(r.precision) and (not r.mem or r.plan_dir or r.rpc or (r.strategy or "stream") != "stream"
+                                          or r.policy != "balanced" or r.window is not None),
+         "--precision auto plans precision with residency under --mem, by the balanced policy: not with --plan, "
+         "--rpc, --policy, --window or another --strategy", "the requantized file and its plan are made together "
+         "under this machine's budget, the walk predicting each point by the balanced plan; a saved plan or a "
+         "placement across devices was made for another file"),
     Rule(lambda r: r.sparsity is not None and bool(r.precision or r.draft or r.rpc or r.plan_dir or r.chat),
          "--sparsity: not with --precision, -md, --rpc, --plan or -cnv",
          "a level is its own grouped file run through the expert-selective path: each of a tree's tokens reads its "
@@ -143,6 +147,14 @@ RULES: tuple[Rule, ...] = (
          "a forced text decodes token by token: not with -md, --spec-type or -cnv",
          "teacher forcing measures the target's decode as a text routes it; a tree or a conversation would choose "
          "other tokens"),
+    Rule(lambda r: r.tune is not None and (not r.mem or r.policy != "balanced" or r.window is not None
+                                           or bool(r.precision or r.rpc or r.plan_dir or r.draft)
+                                           or (r.strategy or "stream") != "stream"),
+         "--tune measures plans under --mem: it chooses the policy and window; not with --precision, --rpc, --plan, "
+         "-md or another --strategy",
+         "the candidates are the balanced plans by window and every baseline policy, each run cold under the "
+         "enforced budget by the target alone; a precision plan, a placement, a saved plan or a draft's tree is "
+         "another run"),
     Rule(lambda r: bool(r.rpc and r.draft), "--rpc and -md: speculation with a draft model runs on this machine only",
          "not built: the draft's placement beside the target's on the servers (free drafters do run with --rpc, "
          "their trees kept under the servers' tiled kernels' 8 rows)"),

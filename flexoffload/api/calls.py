@@ -10,12 +10,11 @@ from dataclasses import replace
 import flexoffload.gguf.model
 from flexoffload import FlexoffloadError, rules
 from flexoffload.gguf import catalog
-from flexoffload.measure import lookahead, probe, profiler, tracing, tuning
-from flexoffload.memory import budgets
+from flexoffload.measure import lookahead, profiler, tracing
 from flexoffload.options import BY_NAME, Budget, Draft, Generation, Placement, Precision, Request, request
 from flexoffload.plan import locality, replay
 from flexoffload.plan.costmodel import compute_seconds
-from flexoffload.api.running import execute, run_in_cgroup
+from flexoffload.api.running import execute
 from flexoffload.api.preparing import prepare
 
 log = logging.getLogger(__name__)
@@ -56,19 +55,13 @@ def generate(model, prompt: str | None = None, generation: Generation = Generati
         return execute(prepare(request(model, prompt or "", generation, budget, draft, placement, precision)), **run)
 
 
-def tune(model, budget: int, profile, n_ctx: int = BY_NAME["n_ctx"].default, n_batch: int = BY_NAME["n_batch"].default,
-         n_best: int = BY_NAME["tune_best"].flag_value, rounds: int = BY_NAME["tune_rounds"].default,
-         n_predict: int = 8):
-    """plan --tune (measure/tuning.py): the candidate plans each run cold under the enforced budget, in turn."""
-
-    def timed(how: dict) -> float:
-        prepared = prepare(Request(model=str(model.path), prompt=tuning.PROMPT, n_predict=n_predict, n_ctx=n_ctx,
-                                   n_batch=n_batch, temp=0, mem=str(budget), spec_type="none", **how))
-        budgets.drop_page_cache()
-        return run_in_cgroup(prepared, budget, timeout=900)["decode_tok_s"]
-
-    return tuning.tune(model, budget, profile, probe.measure(model, n_ctx, n_batch), timed, n_ctx, n_batch,
-                       n_best, rounds)
+def tune(model, budget: int, n_ctx: int = BY_NAME["n_ctx"].default, n_batch: int = BY_NAME["n_batch"].default,
+         n_best: int = BY_NAME["tune"].flag_value, rounds: int = BY_NAME["tune_rounds"].default):
+    """plan --tune: prepare's tune step (the candidate plans each run cold under the enforced budget, in turn); the
+    plan kept (policy mmap where mmap measured faster)."""
+    p = prepare(Request(model=str(model.path), prompt=" ", mem=str(budget), n_ctx=n_ctx, n_batch=n_batch,
+                        strategy="stream", spec_type="none", tune=n_best, tune_rounds=rounds))
+    return p.plan or p.mmap_plan
 
 
 def experts(model, slots: list[int] | None = None, text: str | None = None, n_threads: int | None = None,

@@ -14,10 +14,10 @@ from flexoffload import FlexoffloadError
 from flexoffload.defaults import cache_dir, file_key
 from flexoffload.gguf import catalog
 from flexoffload.gguf.model import load
-from flexoffload.measure import probe, profiler, requantize, tuning
+from flexoffload.measure import probe, profiler, requantize
 from flexoffload.rules import spec_types
 from flexoffload.plan import plans
-from flexoffload.plan import costmodel, qtypes
+from flexoffload.plan import costmodel, qtypes, tuning
 from flexoffload.plan.planners import resident_bytes
 from flexoffload.runtime import server
 from flexoffload.speculation import drafters, history, control as speccontrol, tree as spectree, speculate
@@ -28,7 +28,7 @@ FREE_AUTO_MD = ("ngram-simple",)  # and beside a draft model (its n-grams cost n
 FREE_PAYS = 1.5  # auto without -md: speculate where a target pass takes this many times its compute or more
 
 
-@dataclass
+@dataclass(frozen=True)
 class Drafting:
     """What prepare decided about speculation: the draft model's path (None: none), the free drafters run, what
     they take out of the budget, and the plan made for them (None: the run goes on without speculating)."""

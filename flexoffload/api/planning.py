@@ -10,12 +10,13 @@ from pathlib import Path
 
 from flexoffload import BudgetTooSmall
 from flexoffload.defaults import EXPERT_LOOKAHEAD, EXPERT_READS, IO_THREADS, WINDOW
-from flexoffload.measure import dryrun, lookahead, probe, profiler, servers, tracing, tuning
+from flexoffload.measure import dryrun, lookahead, opprofile, probe, profiler, tracing, tuning, ubatches
 from flexoffload.memory import budgets, stepmem
 from flexoffload.memory.budgets import format_size
 from flexoffload.memory.footprint import KERNEL_FIXED, MARGIN, smallest_budget
 from flexoffload.native import devices
-from flexoffload.plan import costmodel, placement, plans, replay
+from flexoffload.plan import costmodel, placement, placers, plans, prefill, replay
+from flexoffload.plan.placement import DeviceProfile
 from flexoffload.plan.planners import check_budget, make_plan, plan_budget
 
 MMAP_TIE = 0.02  # mmap runs where predicted within this of the plan: the cost model's resolution
@@ -98,8 +99,8 @@ def plan_for_run(model, r, limit: int | None, n_outputs: int = 1, n_seq_max: int
         placement.check_fits(plan, model, limit, r.plan_dir, of)
         return plan
     if r.rpc and r.mem and r.strategy == "stream":  # placed across the servers' devices, the host's share too
-        return servers.for_endpoints(model, devices.parse_endpoints(r.rpc), r.mem, r.placement,
-                                     profiler.measure(model, r.n_threads), r.n_threads, r.n_ctx, r.n_batch)
+        return for_endpoints(model, devices.parse_endpoints(r.rpc), r.mem, r.placement,
+                             profiler.measure(model, r.n_threads), r.n_threads, r.n_ctx, r.n_batch)
     policy, window = r.policy, r.window
     if r.tuned and r.strategy == "stream" and policy == "balanced" and window is None and limit is not None \
             and n_outputs == 1 and not draft:
@@ -143,3 +144,34 @@ def mmap_instead(model, plan, n_threads: int) -> str:
     return (f"flexoffload: the page cache holds what a token reads at this budget: mmap is predicted as fast as "
             f"the plan or faster ({mmap_tok_s:.2f} tok/s, the plan {plan.predicted_tok_s:.2f}): running mmap "
             f"(--strategy stream streams)")
+
+
+def for_endpoints(model, endpoints: list[str], mem: str | None, policy: str, profile: costmodel.Profile,
+                  n_threads: int, n_ctx: int, n_batch: int, io_threads: int = IO_THREADS) -> plans.Plan:
+    """A placement plan over RPC servers (each one's first device), every device profiled (cached) and budgeted
+    (placers.device_budget), the placers' problem solved over them."""
+    host, named = placers.parse_mem(mem, endpoints, model) if mem else (None, {})
+    profiles, budgets_ = [], []
+    for i, endpoint in enumerate(endpoints):
+        device = devices.probe_rpc(endpoint)[0]
+        budget = placers.device_budget(named, i, endpoint, device.free)
+        measured = opprofile.device_cached(model, endpoint, n_threads, budget=budget)
+        profiles.append(DeviceProfile.from_dict({**{k: v for k, v in measured.items() if k != "measured"},
+                                                 "name": device.name}))
+        budgets_.append(budget)
+    run = probe.measure(model, n_ctx, n_batch)
+    problem = placers.problem_for(model, profiles, budgets_, host, profile, run, n_ctx, n_batch, io_threads)
+    return placers.solve(problem, policy)
+
+
+def prompt_ubatch(model, limit: int, n_prompt: int, r, profile: costmodel.Profile) -> tuple[int, plans.Plan, float]:
+    """The ubatch a long prompt is computed in under the budget (plan/prefill.choose_ubatch over llama.cpp's buffers
+    at each, measure/ubatches.py), its plan and its predicted time to first token."""
+    io_threads = r.io_threads or IO_THREADS
+    found = prefill.choose_ubatch(model, limit, n_prompt, r.n_predict, r.policy, profile, io_threads,
+                                  ubatches.rates(model, r.n_threads, up_to=n_prompt),
+                                  ubatches.candidates(model, limit, n_prompt, r.n_ctx, r.cache_type_k,
+                                                      r.cache_type_v))
+    if found is None:
+        raise ubatches.none_fits(model, limit, r.n_ctx, r.cache_type_k, r.cache_type_v)
+    return found

@@ -14,10 +14,10 @@ from flexoffload.plan import plans
 from flexoffload.runtime import engine
 from flexoffload.speculation import tree as spectree
 
-DECISION_FILE = "run.json"  # beside a plan's files: what else `plan -o` decided (drafting, ubatch)
+DECISION_FILE = "run.json"  # beside a plan's files: the Prepared `plan -o` wrote (drafting, ubatch, tree, ...)
 
 
-@dataclass
+@dataclass(frozen=True)
 class Prepared:
     """A request ready to load: the request as given, and what was decided for it."""
     request: options.Request  # as the user gave it
@@ -66,14 +66,14 @@ class Prepared:
                    plans.Plan.from_dict(d["mmap_plan"]) if d.get("mmap_plan") else None)
 
     def write(self, directory) -> Path:
-        """The plan's files (tensors.ot, plan.json) and the drafting and ubatch decided beside them (run.json):
-        `run --plan DIRECTORY` runs what this Prepared would (mmap chosen at this budget: a plan of policy mmap)."""
+        """The plan's files (tensors.ot, plan.json) and, beside them, this whole Prepared as JSON (run.json: the
+        drafting and the history it used, the ubatch, the settings, the tuned choice and the precision file in the
+        plan): `run --plan DIRECTORY` runs what this Prepared would (mmap chosen at this budget: a plan of policy
+        mmap)."""
         plan = self.plan or self.mmap_plan
         if plan is None:
             raise FlexoffloadError("without a budget every weight stays resident: there is no plan to write (give "
                                    "--mem)")
         directory = plans.write(plan, directory)
-        decided = {"draft": self.draft, "free": list(self.free), "n_ubatch": self.settings.n_ubatch,
-                   "n_batch": self.settings.n_batch, "flash_attn": self.settings.flash_attn}
-        (directory / DECISION_FILE).write_text(json.dumps(decided, indent=1) + "\n")
+        (directory / DECISION_FILE).write_text(json.dumps(json.loads(self.to_json()), indent=1) + "\n")
         return directory

@@ -88,7 +88,7 @@ def run(model_spec, mems, strategies, repetitions, n_predict, prompt, n_ctx, n_t
 
                 if tuning.cached(model, limit, n_ctx, 512) is None:
                     bar.set_postfix_str(f"{label} tuning")
-                    api.tune(model, limit, profile, n_ctx, 512)
+                    api.tune(model, limit, n_ctx, 512)
             # the strategies in turn within each repetition, not one strategy's repetitions in a row: the disk's
             # speed drifts over minutes here, and this spreads the drift over all strategies alike
             runs = {name: [] for name in strategies}

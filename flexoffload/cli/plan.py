@@ -5,7 +5,6 @@ candidates measured, with --rpc a placement across devices, with --precision aut
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import click
@@ -13,7 +12,7 @@ import click
 from flexoffload import FlexoffloadError
 from flexoffload import options
 from flexoffload.cli.common import _errors_as_one_line, _read_prompt, click_options
-from flexoffload.measure import tuning
+from flexoffload.plan import tuning
 from flexoffload.plan import plans
 from flexoffload.gguf import catalog
 from flexoffload.memory import budgets
@@ -88,34 +87,13 @@ def _describe_placement(model, p, out_dir) -> None:
                f"links, {cost.transfer_s * 1e3:.1f} ms; predicted {p.predicted_tok_s:.2f} tok/s")
 
 
-def _plan_precision(model, budget, profile, ctx_size, batch_size, threads, io_threads, max_kld, min_tok_s, original,
-                    out_dir, as_json):
-    """plan --precision auto: precision and residency together (measure/precision.py), the requantized file's quality
-    measured."""
-    from tqdm import tqdm
-
-    from flexoffload.measure import precision
-
-    bar = tqdm(desc="precision", unit="group", file=sys.stderr, disable=None)
-
-    def on_row(row, done, total):
-        bar.total, bar.n = total, done
-        bar.set_postfix_str(f"{row.group} {row.type}")
-
-    p, walk = precision.plan(model, budget, profile, ctx_size, batch_size, max_kld, min_tok_s, threads, io_threads,
-                         original=Path(original) if original else None, on_row=on_row)
-    bar.close()
-    plans.write(p, out_dir)
-    if as_json:
-        click.echo(json.dumps({**p.to_dict(), "walk": [
-            {"steps": len(x.steps), "kld": x.kld, "weight_bytes": x.weight_bytes,
-             "predicted_tok_s": x.predicted_tok_s} for x in walk.points]}))
-        return
+def _describe_precision(model, p, out_dir) -> None:
+    """plan --precision auto: the lowered types chosen with the residency, and the requantized file's quality."""
     r = p.precision
-    click.echo(f"{model.path.name}: {len(r.types)} tensors lowered ({len(r.steps)} steps), weights "
+    click.echo(f"{Path(r.source).name}: {len(r.types)} tensors lowered ({len(r.steps)} steps), weights "
                f"{format_size(r.source_weight_bytes)} -> {format_size(r.weight_bytes)}, written to {p.model}"
-               + (f" (quantized from {Path(original).name})" if original else ""))
-    click.echo(f"  predicted {p.predicted_tok_s:.2f} tok/s at {format_size(budget)} (the file's own types: "
+               + (f" (quantized from {Path(r.original).name})" if r.original else ""))
+    click.echo(f"  predicted {p.predicted_tok_s:.2f} tok/s at {format_size(p.budget)} (the file's own types: "
                f"{r.own_types_tok_s:.2f}); KL divergence summed over the groups {r.predicted_kld:.4f}")
     if r.measured is not None:
         q = r.measured
@@ -128,12 +106,14 @@ def _plan_precision(model, budget, profile, ctx_size, batch_size, threads, io_th
 @click.command()
 @click_options("plan")
 @_errors_as_one_line
-def plan(out_dir, tune_best, tune_rounds, max_prompt, prompt_len, as_json, prompt_file, **params):
-    """Choose which tensors stay resident under a budget; write tensors.ot and plan.json: what `run` with the same
-    flags would run (run --plan DIR then runs it)."""
+def plan(out_dir, max_prompt, prompt_len, as_json, prompt_file, **params):
+    """Choose which tensors stay resident under a budget; write tensors.ot and plan.json, and run.json beside them:
+    what `run` with the same flags would run (run --plan DIR then runs it)."""
+    from dataclasses import replace
+
     from flexoffload import api
+    from flexoffload.api import precision
     from flexoffload.gguf.model import load
-    from flexoffload.measure import profiler
 
     fields = options.request_fields(params)
     text = fields.pop("prompt")  # -p or -f: planned for that prompt (its ubatch); neither: one token's
@@ -146,38 +126,23 @@ def plan(out_dir, tune_best, tune_rounds, max_prompt, prompt_len, as_json, promp
         return
     if out_dir is None:
         raise FlexoffloadError("plan writes its files to -o DIR")
-    api.check(r)
-    # what can be refused is refused before anything is measured
-    if r.precision and (r.rpc or tune_best is not None or r.policy != "balanced" or r.window is not None):
-        raise FlexoffloadError("--precision auto plans with the balanced policy: not with --rpc, --tune, "
-                               "--policy or --window, for now")
+    api.check(r)  # what can be refused is refused before anything is measured
     if r.precision and r.original:
         from flexoffload.measure import requantize
 
         requantize.check_original(model, Path(r.original))
-    if tune_best is not None and (tune_best < 1 or tune_rounds < 1 or r.policy != "balanced" or r.window is not None):
-        raise FlexoffloadError("--tune takes N >= 1 and --tune-rounds >= 1; it chooses the policy and window")
-    if r.precision:
-        budget = budgets.parse_size(r.mem, model.file_size)
-        _plan_precision(model, budget, profiler.measure(model, r.n_threads), r.n_ctx, r.n_batch, r.n_threads,
-                        r.io_threads, r.max_kld, r.min_tok_s, r.original, out_dir, as_json)
-        return
-    if tune_best is not None:
-        from flexoffload.measure import probe
-        from flexoffload.plan.planners import check_budget
-
-        budget = budgets.parse_size(r.mem, model.file_size)
-        check_budget(model, budget, probe.measure(model, r.n_ctx, r.n_batch), r.window)
-        p = api.tune(model, budget, profiler.measure(model, r.n_threads), r.n_ctx, r.n_batch, tune_best,
-                     tune_rounds)
-        plans.write(p, out_dir)
-    else:  # the one planning path: what run with these flags would run
-        prepared = api.prepare(r)
-        api.tell(prepared.notes)
-        prepared.write(out_dir)
-        p = prepared.plan or prepared.mmap_plan
+    prepared = api.prepare(r)  # the one planning path: what run with these flags would run
+    api.tell(prepared.notes)
+    if prepared.plan is not None and prepared.plan.precision is not None:  # its quality, measured once written
+        prepared = replace(prepared, plan=precision.with_quality(prepared.plan, r.n_threads))
+    prepared.write(out_dir)
+    p = prepared.plan or prepared.mmap_plan
     if as_json:
-        click.echo(json.dumps(p.to_dict()))
+        extra = {"walk": list(p.precision.walk)} if p.precision is not None else {}
+        click.echo(json.dumps({**p.to_dict(), **extra}))
+        return
+    if p.precision is not None:
+        _describe_precision(model, p, out_dir)
         return
     if p.placement is not None:
         _describe_placement(model, p, out_dir)

@@ -1,6 +1,6 @@
-"""The prefill's measured side (HyperGen, issue 16): how fast a ubatch's pass computes here (`rates`), and the ubatch
-a long prompt is computed in, chosen under the budget with llama.cpp's own buffers for each (`choose`).
-plan/prefill.py predicts from them.
+"""The prefill's measured side (HyperGen, issue 16): how fast a ubatch's pass computes here (`rates`), and llama.cpp's
+own buffers at each ubatch a long prompt may be computed in (`candidates`). plan/prefill.py predicts from them and
+chooses the ubatch (`choose_ubatch`).
 """
 
 from __future__ import annotations
@@ -15,9 +15,7 @@ from flexoffload.gguf.model import Model
 from flexoffload.measure import Progress
 from flexoffload.measure.dryrun import minimum, room, run_costs
 from flexoffload.memory.stepmem import UBATCHES, Setting
-from flexoffload.plan.costmodel import Profile
-from flexoffload.plan.plans import Plan
-from flexoffload.plan.prefill import after_prefill, ttft
+from flexoffload.plan.prefill import Ubatch, ubatches_for
 
 log = logging.getLogger(__name__)
 
@@ -65,35 +63,23 @@ def rates(model: Model, n_threads: int, remeasure: bool = False, up_to: int | No
     return out
 
 
-def choose(model: Model, budget: int, n_prompt: int, n_predict: int, n_ctx: int, policy: str, profile: Profile,
-           n_threads: int, io_threads: int, n_outputs: int = 1, type_k: str = "f16",
-           type_v: str = "f16") -> tuple[int, Plan, float]:
-    """The ubatch (of UBATCHES, up to the least that holds the prompt in one pass) whose plan the cost model predicts
-    the run fastest with, that plan, and its predicted time to first token."""
-    from flexoffload.plan.planners import make_plan
-
-    rate = rates(model, n_threads, up_to=n_prompt)  # the loop below stops at the first ubatch holding the prompt
-    best, held = None, False
-    for u in sorted(UBATCHES):
-        if held and best is not None:
-            break  # the ubatch before held the prompt: a larger one only takes memory
-        held = u >= n_prompt
+def candidates(model: Model, budget: int, n_prompt: int, n_ctx: int, type_k: str = "f16", type_v: str = "f16",
+               n_outputs: int = 1) -> list[Ubatch]:
+    """The ubatches a prompt of n_prompt tokens may be computed in (plan/prefill.ubatches_for), each with llama.cpp's
+    buffers at it (flash attention on, as a chosen ubatch runs)."""
+    out = []
+    for u in ubatches_for(n_prompt):
         setting = Setting(n_ctx, min(u, n_ctx), "on", type_k, type_v, n_outputs=n_outputs)
-        try:
-            plan = make_plan(model, budget, policy, profile, io_threads=io_threads,
-                             **run_costs(model, setting, budget))
-        except FlexoffloadError:
-            continue  # its compute buffer does not fit beside the smallest plan
-        first = ttft(model, plan, n_prompt, u, profile, rate)
-        _, decode_tok_s = after_prefill(model, plan, room(model, setting), profile)
-        total = first + max(n_predict, 1) / decode_tok_s
-        if best is None or total < best[0]:
-            best = (total, u, plan, first)
-    if best is None:
-        from flexoffload.memory.budgets import format_size
+        out.append(Ubatch(setting.n_ubatch, run_costs(model, setting, budget), room(model, setting)))
+    return out
 
-        least = minimum(model, Setting(n_ctx, min(min(UBATCHES), n_ctx), "on", type_k, type_v, n_outputs=n_outputs))
-        raise FlexoffloadError(f"a context of {n_ctx} cells does not fit {model.path.name} in {format_size(budget)} "
-                               f"at any ubatch: it needs {format_size(least, up=True)} (plan --max-prompt: the "
-                               f"longest prompt this budget holds)")
-    return best[1], best[2], best[3]
+
+def none_fits(model: Model, budget: int, n_ctx: int, type_k: str = "f16", type_v: str = "f16",
+              n_outputs: int = 1) -> FlexoffloadError:
+    """The error where no ubatch's buffers fit beside the smallest plan: what the context needs at the least."""
+    from flexoffload.memory.budgets import format_size
+
+    least = minimum(model, Setting(n_ctx, min(min(UBATCHES), n_ctx), "on", type_k, type_v, n_outputs=n_outputs))
+    return FlexoffloadError(f"a context of {n_ctx} cells does not fit {model.path.name} in {format_size(budget)} at "
+                            f"any ubatch: it needs {format_size(least, up=True)} (plan --max-prompt: the longest "
+                            f"prompt this budget holds)")

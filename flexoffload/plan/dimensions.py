@@ -1,5 +1,5 @@
 """A plan's dimensions beside residency, each a record plan.json keeps under its key: `placement` (weights across
-devices: placement.py), `precision` (plan --precision auto: mixed.py, measure/precision.py) and `experts` (a mixture
+devices: placement.py), `precision` (plan --precision auto: mixed.py, api/precision.py) and `experts` (a mixture
 of experts' expert reads: expertcache.py). Each writes its key's JSON as it always has (`to_dict`) and reads it back
 (`from_dict`), so plan folders written before these records load unchanged.
 
@@ -125,6 +125,7 @@ class Precision:
     max_kld: float | None  # the bound it was chosen within (plan.json: "bound")
     min_tok_s: float | None
     measured: dict[str, float] | None = None  # the requantized file's quality (sensitivity.quality); None: not measured
+    walk: tuple[dict, ...] = ()  # the walk's points ({steps, kld, weight_bytes, predicted_tok_s}), the first its own
 
     def to_dict(self) -> dict:
         d = {"source": self.source, "original": self.original, "types": dict(self.types),
@@ -135,6 +136,8 @@ class Precision:
              "bound": {"max_kld": self.max_kld, "min_tok_s": self.min_tok_s}}
         if self.measured is not None:
             d["measured"] = dict(self.measured)
+        if self.walk:
+            d["walk"] = [dict(x) for x in self.walk]
         return d
 
     @classmethod
@@ -146,7 +149,8 @@ class Precision:
                    predicted_uqest_delta=d["predicted_uqest_delta"], walk_tok_s=d["walk_tok_s"],
                    own_types_tok_s=d["own_types_tok_s"],
                    alternatives=tuple(Alternative(**a) for a in d.get("alternatives", ())),
-                   max_kld=bound.get("max_kld"), min_tok_s=bound.get("min_tok_s"), measured=d.get("measured"))
+                   max_kld=bound.get("max_kld"), min_tok_s=bound.get("min_tok_s"), measured=d.get("measured"),
+                   walk=tuple(dict(x) for x in d.get("walk", ())))
 
 
 @dataclass(frozen=True)

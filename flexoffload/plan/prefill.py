@@ -8,8 +8,8 @@ the tokens to generate at the plan's decode speed.
 
 When decode starts, the context's ubatch becomes DECODE_UBATCH (patch 0015 sizes the compute buffers again, and
 their memory comes back) and the streamed tensors that memory holds become resident, each read once (0013, 0014):
-`after_prefill` chooses them (measure/ubatches.py's `choose` picks the ubatch), so decode runs at a plan for its own
-buffers, not the prefill's.
+`after_prefill` chooses them (`choose_ubatch` picks the ubatch, from llama.cpp's buffers as measure/dryrun.py measures
+them), so decode runs at a plan for its own buffers, not the prefill's.
 
 The time to first token is predicted per pass as its compute (measured: measure/ubatches.py's `rates`, a ubatch's
 pass with every weight in memory, by u) plus its reads of the streamed tensors (`pass_seconds`: measured, the two
@@ -21,9 +21,13 @@ modelled: the prediction is close at 2048 tokens, 2.3x short at 8192 and 12x at 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
+from flexoffload import FlexoffloadError
 from flexoffload.gguf.model import Model
+from flexoffload.memory.stepmem import UBATCHES
 from flexoffload.plan.costmodel import Profile
+from flexoffload.plan.planners import make_plan
 from flexoffload.plan.plans import Plan, streamed_bytes
 from flexoffload.plan.replay import unit_bytes, unit_reads
 
@@ -98,3 +102,40 @@ def ttft(model: Model, plan: Plan, n_prompt: int, n_ubatch: int, profile: Profil
     if rest:
         seconds += pass_seconds(model, plan, rest, profile, rate)
     return seconds
+
+
+@dataclass(frozen=True)
+class Ubatch:
+    """A ubatch a prompt may be computed in, as llama.cpp's buffers make it (measure/dryrun.py): the costs beside
+    the weights a plan at it has (make_plan's kv_cache, compute, overhead, code) and the memory its buffers give back
+    when decode starts."""
+    n_ubatch: int
+    costs: dict
+    room: int
+
+
+def ubatches_for(n_prompt: int) -> list[int]:
+    """The ubatches worth trying for a prompt: UBATCHES up to the least that holds it in one pass (a larger one only
+    takes memory)."""
+    ordered = sorted(UBATCHES)
+    held = next((i for i, u in enumerate(ordered) if u >= n_prompt), len(ordered) - 1)
+    return ordered[:held + 1]
+
+
+def choose_ubatch(model: Model, budget: int, n_prompt: int, n_predict: int, policy: str, profile: Profile,
+                  io_threads: int, rate: dict[int, float], candidates: list[Ubatch]) -> tuple[int, Plan, float] | None:
+    """The ubatch whose plan the cost model predicts the run fastest with (time to first token, then n_predict tokens
+    at decode's speed), that plan, and its predicted time to first token; None where no candidate's buffers fit
+    beside the smallest plan."""
+    best = None
+    for c in candidates:
+        try:
+            plan = make_plan(model, budget, policy, profile, io_threads=io_threads, **c.costs)
+        except FlexoffloadError:
+            continue  # its compute buffer does not fit beside the smallest plan
+        first = ttft(model, plan, n_prompt, c.n_ubatch, profile, rate)
+        _, decode_tok_s = after_prefill(model, plan, c.room, profile)
+        total = first + max(n_predict, 1) / decode_tok_s
+        if best is None or total < best[0]:
+            best = (total, c.n_ubatch, plan, first)
+    return None if best is None else best[1:]

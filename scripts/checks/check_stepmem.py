@@ -41,7 +41,7 @@ def main() -> None:
     ap.add_argument("--resident", action="store_true", help="every weight resident, no budget (see above)")
     ap.add_argument("--from-ttft", metavar="CSV", help="predict repro_hypergen's compute-bound rows (see above)")
     ap.add_argument("--chosen", action="store_true",
-                    help="instead: the ubatch run chooses for the prompt (measure/ubatches.py), its predicted and "
+                    help="instead: the ubatch run chooses for the prompt (plan/prefill.py), its predicted and "
                          "measured time to first token (-o results/prefill_chosen_qwen1.5b.csv)")
     opts = ap.parse_args()
     if opts.chosen:
@@ -149,7 +149,7 @@ def measured(row: dict, request, limit: int, writer, f) -> None:
 
 def chosen(opts) -> None:
     """The run's own choice of ubatch for a long prompt, at each budget of --mem (comma-separated), in turn."""
-    from flexoffload.measure import ubatches
+    from flexoffload.api.planning import prompt_ubatch
     from flexoffload.measure import profiler
 
     path = catalog.resolve("qwen2.5-coder-1.5b-instruct")
@@ -169,8 +169,8 @@ def chosen(opts) -> None:
             try:
                 prepared = api.prepare(request)
                 u = prepared.settings.n_ubatch
-                _, _, first = ubatches.choose(model, limit, engine.count_tokens(str(model.path), request.prompt), 16, n_ctx,
-                                             "balanced", profiler.measure(model, 2), 2, 4)
+                _, _, first = prompt_ubatch(model, limit, engine.count_tokens(str(model.path), request.prompt),
+                                            dataclasses.replace(request, io_threads=4), profiler.measure(model, 2))
                 row.update(n_ubatch=u, predicted_ttft_s=round(first, 2),
                            predicted_tok_s=round(prepared.plan.predicted_tok_s, 2))
             except Exception as e:

@@ -51,6 +51,18 @@ def solve(problem: Problem, policy: str) -> Plan:
     return to_plan(problem.model, placement, host, cost, memory, dict(zip(problem.names, problem.budgets)))
 
 
+# What a server's buffers may take of the memory it reports free: the rest is for what it allocates beside them
+# (a tensor's upload in pieces, the graph it is sent, its allocator's slack), so a plan or a profile never takes a
+# server to its limit.
+SERVER_SHARE = 0.9
+
+
+def device_budget(named: dict[str, int], index: int, endpoint: str, free: int) -> int:
+    """An RPC device's budget: --mem's for it (by its index or its server's address), else SERVER_SHARE of the memory
+    it reports free."""
+    return named.get(str(index), named.get(endpoint, int(free * SERVER_SHARE)))
+
+
 def host_memory() -> int:
     """This machine's memory, the host's budget when none is given."""
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -1,5 +1,6 @@
-"""plan --precision auto as measured (M2Cache; issue 17): the sensitivity profile, the walk over it (plan/mixed.py),
-the chosen point's file written, its residency planned with its own compute speed, its quality measured."""
+"""--precision auto, wired (M2Cache; issue 17): the sensitivity profile measured, the walk over it and the point
+chosen (plan/mixed.py), the chosen point's file written, its residency planned with its own compute speed, and its
+quality measured where asked (plan --precision reports it). prepare's precision step runs it."""
 
 from __future__ import annotations
 
@@ -42,7 +43,8 @@ def plan(model: Model, budget: int, profile, n_ctx: int, n_batch: int, max_kld: 
     # profile, so plan and run decide the same; the disk is the source's measure, so the two predictions differ by
     # the types alone
     own = replace(profiler.as_measured(mixed, n_threads or 1), disk_bw=profile.disk_bw,
-                  io_latency=profile.io_latency, peak_disk_bw=profile.peak_disk_bw)
+                  io_latency=profile.io_latency, peak_disk_bw=profile.peak_disk_bw,
+                  expert_read_bw=profile.expert_read_bw, expert_read_latency=profile.expert_read_latency)
     residency = plan_budget(mixed, budget, "balanced", own,
                             probe.measure(mixed, n_ctx, n_batch, n_outputs, n_seq_max),
                             io_threads=io_threads or IO_THREADS, draft=draft)
@@ -57,5 +59,17 @@ def plan(model: Model, budget: int, profile, n_ctx: int, n_batch: int, max_kld: 
                        own_types_tok_s=walk_.points[0].predicted_tok_s,
                        alternatives=tuple(Alternative(p.steps[0][1], p.kld, p.weight_bytes, p.predicted_tok_s)
                                           for p in walk_.alternatives),
-                       max_kld=max_kld if min_tok_s is None else None, min_tok_s=min_tok_s, measured=measured)
+                       max_kld=max_kld if min_tok_s is None else None, min_tok_s=min_tok_s, measured=measured,
+                       walk=tuple({"steps": len(x.steps), "kld": x.kld, "weight_bytes": x.weight_bytes,
+                                   "predicted_tok_s": x.predicted_tok_s} for x in walk_.points))
     return replace(residency, precision=record), walk_
+
+
+def with_quality(plan, n_threads: int | None = None):
+    """A precision plan with its requantized file's quality measured (sensitivity.quality), where it lowered
+    anything."""
+    r = plan.precision
+    if r is None or r.measured is not None or not (r.types or r.original):
+        return plan
+    return replace(plan, precision=replace(r, measured=sensitivity.quality(load(r.source), Path(plan.model),
+                                                                           n_threads)))
