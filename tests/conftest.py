@@ -16,6 +16,7 @@ from flexoffload.gguf import synth
 # What the session's own cache borrows from the user's, read only: the fetched models (file by file, so nothing is
 # added to the user's models/ folder), the native build, and the pinned source test_build_native builds from.
 _BORROWED = ("native", "sdist")
+SESSION_CACHE: Path | None = None  # the session's cache (pytest_configure)
 
 
 def pytest_configure(config):
@@ -38,9 +39,52 @@ def pytest_configure(config):
         if (user / name).is_dir():
             (session / name).symlink_to(user / name)
     os.environ["FLEXOFFLOAD_CACHE"] = str(session)
+    global SESSION_CACHE
+    SESSION_CACHE = session
     if build is not None:
         os.environ["FLEXOFFLOAD_NATIVE"] = str(build)
     config._flexoffload_cache = session
+
+
+def _link_borrowed(cache: Path, session: Path) -> None:
+    """cache made as the session's is: its models (the real ones, linked) and the borrowed folders, through the
+    session's links."""
+    (cache / "models").symlink_to(session / "models")
+    for name in _BORROWED:
+        if (session / name).exists():
+            (cache / name).symlink_to((session / name).resolve())
+
+
+# The disk as runs and profiles have shown it (measure/diskrecord.py): one record a device, read by every plan of
+# every model on that device (the session's synthetic files and real models share one), so a module that writes it
+# in the session's cache changes other modules' plans. These are its files in a cache's profiles/.
+DISK_RECORDS = ("disk-*.json", "*-seen-*.json")
+
+
+def disk_records(cache: Path) -> dict[str, str]:
+    """The disk records in cache (name -> text)."""
+    found = {}
+    for pattern in DISK_RECORDS:
+        for f in (cache / "profiles").glob(pattern):
+            try:
+                found[f.name] = f.read_text()
+            except OSError:
+                pass
+    return found
+
+
+@pytest.fixture(scope="module", autouse=True)
+def session_disk_record_untouched(request):
+    """Each module leaves the session cache's disk record as it found it: a module whose runs or profiles record the
+    disk (a streamed run's reads, a profile's passes of at least SUSTAINED_BYTES: the real models', a large synthetic
+    file's) or remove it (set_profile) takes a cache of its own (module_cache, private_cache)."""
+    session = request.config._flexoffload_cache
+    before = disk_records(session)
+    yield
+    after = disk_records(session)
+    changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
+    assert not changed, (f"{request.module.__name__} changed the session cache's disk record ({', '.join(changed)}), "
+                         "which other modules' plans read: give it module_cache or private_cache")
 
 
 def pytest_unconfigure(config):
@@ -141,12 +185,26 @@ def private_cache(tmp_path, monkeypatch) -> Path:
     return path
 
 
+@pytest.fixture(scope="module")
+def module_cache(request, tmp_path_factory) -> Path:
+    """A cache of the module's own, made as the session's is (the real models and the native build linked): what
+    its tests measure and record (profiles, the disk's record, footprints, tuned plans) is shared among them, as the
+    session's cache would share it, and with no other module. For a module whose tests measure or record the disk
+    (the real models' profiles and streamed runs) or plan from what they measured: `pytestmark =
+    pytest.mark.usefixtures("module_cache")`, or a module fixture that measures asks for it first."""
+    path = tmp_path_factory.mktemp("module-cache")
+    _link_borrowed(path, request.config._flexoffload_cache)
+    with pytest.MonkeyPatch.context() as m:
+        m.setenv("FLEXOFFLOAD_CACHE", str(path))
+        yield path
+
+
 def set_profile(model_path, n_threads: int, tok_s: float, disk_bw: float):
     """The machine's profile for model_path at -t n_threads, set here instead of measured: compute at tok_s with
     every weight in memory, O_DIRECT reads at disk_bw bytes/s. Written where profiler.measure looks for it (the cache
     FLEXOFFLOAD_CACHE names: give a test its private_cache first). The disk speeds streamed runs recorded on the
-    file's device (profiler.record_run: the best, the recent ones plans take the median with) are removed, so plans
-    use disk_bw as it is. Returns the Profile."""
+    file's device (profiler.record_run: the best, the recent ones plans take the median with; the expert reads' too)
+    are removed, so plans use disk_bw as it is. Returns the Profile."""
     import json
 
     from flexoffload.defaults import write_atomic
@@ -154,9 +212,13 @@ def set_profile(model_path, n_threads: int, tok_s: float, disk_bw: float):
     from flexoffload.measure import diskrecord, profiler
     from flexoffload.plan.costmodel import Profile
 
+    assert cache_dir() != SESSION_CACHE, "set_profile writes where plans read: give the test a cache of its own"
     model = load(model_path)
-    for recorded in (diskrecord._seen_path(model.path), diskrecord._best_path(model.path)):
-        recorded.unlink(missing_ok=True)
+    device = diskrecord._best_path(model.path).name.rsplit("-", 1)[1]  # the records' files end in the device's id
+    for pattern in DISK_RECORDS:  # the best, the dense runs' and the expert reads' ones
+        for recorded in (cache_dir() / "profiles").glob(pattern):
+            if recorded.name.endswith(f"-{device}"):
+                recorded.unlink(missing_ok=True)
     profile = Profile.calibrated(model, tok_s=tok_s, disk_bw=disk_bw)
     write_atomic(profiler._cache_path(model, n_threads), json.dumps(profile.to_dict(), indent=1))
     assert profiler.measure(model, n_threads) == profile  # what a plan reads: this profile, no recorded run beside it

@@ -2,7 +2,9 @@
 types, -cnv, a mixture of experts, --plan, --rpc, --precision auto, --sparsity, serve} either runs with greedy
 tokens equal to the reference, or is refused in one line by a documented rule (docs/options.md). The reference:
 llama-completion on the file the run ran, with the same context settings; for a conversation, the same
-conversation by that file alone (no budget, no speculation). Tiny synthetic models, random weights.
+conversation by that file alone (no budget, no speculation). Tiny synthetic models, random weights; the budget's
+dense model has FFN matrices over the 1 MiB that always stays resident, and its budget a few MiB over the least the
+pair's command takes, so that its plan streams them and the run reads them from disk.
 
 With FLEXOFFLOAD_MATRIX=FILE the matrix is written there as a markdown table (scripts/options_doc --matrix FILE
 puts it into docs/options.md)."""
@@ -33,6 +35,14 @@ N = 10
 DENSE = dataclasses.replace(synth.SHAPES["qwen2-tiny"], n_head=4)  # a dense qwen2: predicted neurons need one
 MOE = dataclasses.replace(synth.SHAPES["qwen3moe-tiny"], n_head=4, n_head_kv=2)
 DRAFT = dataclasses.replace(DENSE, n_layer=1)  # the target's vocabulary
+# the budget's dense model: FFN matrices of 1.6 MB (over SMALL_BYTES, so streamable), attention's under it (resident);
+# 19 MB, its vocabulary the draft's
+STREAMED = dataclasses.replace(DENSE, n_embd=1024, n_ff=2816)
+# and the budget's mixture of experts: MOE's 16 experts of 512 over a width of 1024 (4.5 MiB a layer's expert tensor;
+# the tiny MOE's experts are held whole at any budget), 29 MB
+STREAMED_MOE = dataclasses.replace(MOE, n_embd=1024, n_ff_expert=512)
+# the budget of a pair with "budget": this over the least its command takes, less than what the streamed models stream
+STREAM_MARGIN_MIB = 4
 # refusals that depend on the model rather than on the flags (said where the model is read)
 MODEL_RULES = {"predicted neurons are built for a dense": "predicted neurons are groups of a dense FFN's "
                "neurons; a mixture of experts has no dense FFN to group"}
@@ -56,10 +66,14 @@ def expected(a: str, b: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
+def models(module_cache, tmp_path_factory):
+    """The pairs' models, in a cache of this module's own: their profiles and plans are measured here, and nothing
+    recorded here reaches another module's plans."""
     d = tmp_path_factory.mktemp("compose")
     paths = {"dense": synth.write(d / "dense.gguf", DENSE, output_scale=4.0), "moe": synth.write(d / "moe.gguf", MOE),
-             "draft": synth.write(d / "draft.gguf", DRAFT, seed=1)}
+             "draft": synth.write(d / "draft.gguf", DRAFT, seed=1),
+             "streamed": synth.write(d / "streamed.gguf", STREAMED, output_scale=4.0),
+             "streamed-moe": synth.write(d / "streamed-moe.gguf", STREAMED_MOE)}
     # predicted neurons, measured once for the dense model (as test_sparsity.py does)
     cli("profile", "-m", str(paths["dense"]), "--neurons", "--neuron-groups", "6", "--levels", "4,6", "-t", "2",
         check=True)
@@ -75,15 +89,22 @@ def endpoint():
 
 def _flags(features: tuple[str, ...], models, endpoint) -> tuple[list[str], dict]:
     """The command line of a pair of features (run's flags; how it runs in `how`)."""
-    how = {"model": models["moe" if "moe" in features else "dense"], "chat": "cnv" in features,
-           "plan": "plan" in features, "serve": "serve" in features}
+    # the budget's own models where it is a feature, but with --sparsity and --precision auto (both measure the
+    # model they are given: NOT_STREAMED)
+    model = "moe" if "moe" in features else "dense"
+    if "budget" in features and not {"sparsity", "precision"} & set(features):
+        model = "streamed-moe" if model == "moe" else "streamed"
+    how = {"model": models[model], "chat": "cnv" in features, "plan": "plan" in features,
+           "serve": "serve" in features}
     flags = {"-c": "256", "-b": "32", "-t": "2"}
     if "budget" in features or "plan" in features or "precision" in features:
-        flags.update({"--mem": "160M", "--strategy": "stream"})
+        flags.update({"--mem": "160M", "--strategy": "stream"})  # "budget": set to stream by _streaming_budget
     if "md" in features:
         flags.update({"-md": str(models["draft"]), "--draft-always": None})
     if "free" in features:
         flags["--spec-type"] = "ngram-simple"
+    elif "budget" in features and "md" not in features:  # auto speculates where a plan streams: asked for by md, free
+        flags["--spec-type"] = "none"
     if "ub-fa-kv" in features:
         flags.update({"-ub": "16", "-fa": "on", "-ctk": "q8_0", "-ctv": "q8_0"})
     if "rpc" in features:
@@ -126,8 +147,8 @@ def _chat(model, flags: list[str]) -> subprocess.CompletedProcess:
                           timeout=600)
 
 
-def _serve_text(model, flags: list[str]) -> tuple[int, str, str]:
-    """Serve with flags, one greedy /completion; (exit status, its text, stderr)."""
+def _serve_text(model, flags: list[str]) -> tuple[int, str, str, float]:
+    """Serve with flags, one greedy /completion; (exit status, its text, stderr, the bytes it read from disk)."""
     serve_flags = [f for f in flags if f not in ("--draft-always",)]
     proc = subprocess.Popen([sys.executable, "-m", "flexoffload", "serve", "-m", str(model), "--port", "0", "-np",
                              "1", *serve_flags], stderr=subprocess.PIPE, text=True)
@@ -143,12 +164,17 @@ def _serve_text(model, flags: list[str]) -> tuple[int, str, str]:
                 port = int(line.split("http://", 1)[1].split("/", 1)[0].rsplit(":", 1)[1])
         if port is None:
             proc.wait(timeout=30)
-            return proc.returncode, "", log
+            return proc.returncode, "", log, 0.0
         body = json.dumps({"prompt": PROMPT, "n_predict": N, "temperature": 0}).encode()
         req = urllib.request.Request(f"http://127.0.0.1:{port}/completion", body,
                                      {"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=300) as r:
-            return 0, json.loads(r.read())["content"], log
+            content = json.loads(r.read())["content"]
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=60) as r:
+            metrics = r.read().decode()
+        read = [float(x.split()[1]) for x in metrics.splitlines()
+                if x.startswith("flexoffload_disk_read_bytes_total ")]
+        return 0, content, log, read[0] if read else 0.0
     finally:
         proc.terminate()
         proc.wait(timeout=60)
@@ -173,11 +199,63 @@ def test_a_pair_runs_as_the_reference_or_is_refused_by_a_rule(a, b, models, requ
     why = want.removeprefix("refused: ")
     assert got == want if want == "equal" else (got.startswith("refused: ") and why in got), \
         f"{a} + {b}: {got}, expected {want}"
+    if "budget" in (a, b) and got == "equal" and (a, b) not in NOT_STREAMED:
+        assert READ[(a, b)] > 0, f"{a} + {b} ran under its budget, but read nothing from disk: nothing streamed"
+
+
+def _least_mib(command: list[str]) -> int:
+    """The least budget command takes, in MiB, read from its refusal of 1 MiB."""
+    r = subprocess.run([sys.executable, "-m", "flexoffload", *command], capture_output=True, text=True, timeout=300,
+                       stdin=subprocess.DEVNULL)
+    assert r.returncode != 0 and "the minimum is " in r.stderr, r.stderr[-2000:]
+    from flexoffload.memory import budgets
+
+    least = r.stderr.split("the minimum is ")[1].split(":")[0].split("\n")[0].strip().replace(" ", "")
+    return -(-budgets.parse_size(least) // (1 << 20))
+
+
+def _streaming_budget(flags: list[str], how: dict, tmp_path) -> list[str]:
+    """flags with --mem a few MiB over the least the pair's command takes with them: a budget the plan streams
+    under (checked by the bytes the run read)."""
+    at = flags.index("--mem") + 1
+    probe = flags[:at] + ["1M"] + flags[at + 1:]
+    model = ["-m", str(how["model"])]
+    if how["plan"]:
+        command = ["plan", *model, *probe, "-o", str(tmp_path / "least")]
+    elif how["serve"]:
+        command = ["serve", *model, "--port", "0", "-np", "1", *[f for f in probe if f != "--draft-always"]]
+    elif how["chat"]:
+        command = ["run", "-cnv", *model, "-n", "6", *probe]
+    else:
+        command = ["run", *model, "-p", PROMPT, "-n", str(N), *probe]
+    least = _least_mib(command)
+    if "--rpc" in flags:  # the least under 1 MiB places more on the server than a larger budget does: asked again
+        again = subprocess.run([sys.executable, "-m", "flexoffload", *command[:command.index("1M")],
+                                f"{least + STREAM_MARGIN_MIB}M", *command[command.index("1M") + 1:]],
+                               capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+        if again.returncode != 0 and "the minimum is " in again.stderr:
+            least = _least_mib(command[:command.index("1M")] + [f"{least + STREAM_MARGIN_MIB}M"] +
+                               command[command.index("1M") + 1:])
+    return flags[:at] + [f"{least + STREAM_MARGIN_MIB}M"] + flags[at + 1:]
+
+
+# the streamed bytes a pair with "budget" read: run --json's stream_bytes_read (a mixture of experts' and a sparsity
+# level's by expert too), serve's disk reads per pass, a conversation's planned streamed MiB (its --json gives no
+# timings)
+READ: dict[tuple[str, str], float] = {}
+# pairs with "budget" that read nothing from disk, and why
+NOT_STREAMED = {("budget", "rpc"): "the plan places what this machine's budget does not hold on the server (-ngl), "
+                "so nothing streams", ("budget", "precision"): "the tiny dense model (measuring precision on the "
+                "streamed one takes minutes): held whole", ("budget", "sparsity"): "a level of the tiny dense "
+                "model (measuring the streamed one's neurons takes half a minute): its groups held whole; "
+                "test_sparsity streams a level's groups under a budget"}
 
 
 def _pair(a, b, models, request, tmp_path):
     flags, how = _flags((a, b), models, request.getfixturevalue("endpoint") if "rpc" in (a, b) else None)
     model = how["model"]
+    if "budget" in (a, b) and model in (models["streamed"], models["streamed-moe"]):
+        flags = _streaming_budget(flags, how, tmp_path)
     if how["plan"]:
         made = cli("plan", "-m", str(model), *flags, "-o", str(tmp_path / "plan"))
         if made.returncode != 0:
@@ -185,11 +263,12 @@ def _pair(a, b, models, request, tmp_path):
             return
         flags = flags + ["--plan", str(tmp_path / "plan")]
     if how["serve"]:
-        status, text, log = _serve_text(model, flags)
+        status, text, log, read = _serve_text(model, flags)
         if status != 0 and not text:
             RESULTS[(a, b)] = "refused: " + _refused(log)
             return
         assert text == _reference(model, flags)
+        READ[(a, b)] = read
         RESULTS[(a, b)] = "equal"
         return
     if how["chat"]:
@@ -202,6 +281,7 @@ def _pair(a, b, models, request, tmp_path):
         alone = _chat(ran["model"]["path"], _context_flags(flags))
         assert alone.returncode == 0, alone.stderr
         assert [t["reply"] for t in ran["turns"]] == [t["reply"] for t in json.loads(alone.stdout)["turns"]]
+        READ[(a, b)] = ran["plan"]["streamed_mb"] if ran.get("plan") else 0
         RESULTS[(a, b)] = "equal"
         return
     r = cli("run", "-m", str(model), "-p", PROMPT, "-n", str(N), "--temp", "0", "--json", *flags)
@@ -211,6 +291,7 @@ def _pair(a, b, models, request, tmp_path):
     ran = json.loads(r.stdout)
     assert ("spec" in ran) == bool({"md", "free"} & {a, b})  # it speculated where asked, not elsewhere
     assert ran["text"] == _reference(ran["model"]["path"], flags)
+    READ[(a, b)] = ran["timings"].get("stream_bytes_read", 0)
     RESULTS[(a, b)] = "equal"
 
 

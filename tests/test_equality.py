@@ -12,6 +12,9 @@ import pytest
 from conftest import cli
 from flexoffload import native
 
+# its real model's profiles and streamed runs record the disk: in a cache of the module's own (conftest)
+pytestmark = pytest.mark.usefixtures("module_cache")
+
 PROMPT = 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n'
 
 

@@ -16,6 +16,9 @@ from flexoffload.speculation.tree import Options
 
 from conftest import cli, tail_logits_apart
 
+# its real model's profiles and streamed runs record the disk: in a cache of the module's own (conftest)
+pytestmark = pytest.mark.usefixtures("module_cache")
+
 
 # --- the drafters, in pure Python -------------------------------------------------------------------------------
 

@@ -18,6 +18,9 @@ from flexoffload.gguf.model import load
 from flexoffload.measure import diskrecord, probe, profiler
 from flexoffload.plan.planners import run_minimum
 
+# its real model's profiles and streamed runs record the disk: in a cache of the module's own (conftest)
+pytestmark = pytest.mark.usefixtures("module_cache")
+
 # tensors over the 1 MiB that always stays resident, so a budget under the file streams some
 DENSE = synth.Shape(n_layer=4, n_embd=1024, n_ff=2816, n_head=8, n_head_kv=2, n_vocab=4096, n_ctx_train=512)
 MOE = dataclasses.replace(synth.SHAPES["qwen3moe-tiny"], n_embd=512, n_ff_expert=256, n_vocab=4096)

@@ -36,6 +36,9 @@ from flexoffload.gguf import catalog, synth
 
 import openai  # noqa: E402  (the official client: a test extra)
 
+# its real model's profiles and streamed runs record the disk: in a cache of the module's own (conftest)
+pytestmark = pytest.mark.usefixtures("module_cache")
+
 
 def left_running(session: int, marker: str | None) -> list[str]:
     """The command lines of live processes (not zombies) in session (llama-server's own: it starts one) or whose

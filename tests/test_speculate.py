@@ -24,6 +24,9 @@ from flexoffload.speculation.tree import Options
 
 from conftest import cli, tail_logits_apart
 
+# its real model's profiles and streamed runs record the disk: in a cache of the module's own (conftest)
+pytestmark = pytest.mark.usefixtures("module_cache")
+
 ALL_OPTIONS = {
     "measured": Options(),
     "measured chain": Options(tree=False),

@@ -11,6 +11,9 @@ from conftest import cli
 from flexoffload.gguf import synth
 from flexoffload.gguf.model import load
 
+# its real model's profiles and streamed runs record the disk: in a cache of the module's own (conftest)
+pytestmark = pytest.mark.usefixtures("module_cache")
+
 # big enough that the FFN tensors are not "small" (always resident), small enough to write in a second
 STREAMABLE = synth.Shape(n_layer=4, n_embd=1024, n_ff=2816, n_head=8, n_head_kv=4, n_vocab=384, n_ctx_train=1024)
 PROMPT = 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n'
