@@ -64,3 +64,27 @@ def test_plan_then_run_plan_is_run_mem(name, models, tmp_path, private_cache):
                              check=True).stdout)
     assert by_plan["tokens"] == direct["tokens"]
     assert ("spec" in by_plan) == ("spec" in direct)  # the drafting decided with the plan, run again
+    # run.json beside the plan is the whole Prepared: the settings and the drafting run decides with these flags
+    decided = json.loads((tmp_path / "plan" / "run.json").read_text())
+    own = json.loads(prepared.to_json())
+    for d in (decided, own):  # run's sampling (--temp, --seed) was not given to plan
+        d["settings"] = {k: v for k, v in d["settings"].items() if k not in ("temp", "seed")}
+    assert {k: decided[k] for k in ("settings", "draft", "free", "tree", "limit")} == \
+        {k: own[k] for k in ("settings", "draft", "free", "tree", "limit")}
+
+
+def test_prompt_len_with_o_writes_the_plan_of_a_prompt_that_long(models, tmp_path, private_cache):
+    """`plan --prompt-len L -o DIR` plans for a prompt of L tokens: its ubatch is the one run chooses for such a
+    prompt under the budget, and run --plan DIR computes the prompt in it."""
+    set_profile(models["dense"], 2, 200.0, disk_bw=2e8)
+    flags = [*_case("dense", models), "-c", "1024", "-t", "2"]
+    made = cli("plan", *flags, "--prompt-len", "400", "-o", str(tmp_path / "plan"))
+    assert made.returncode == 0, made.stderr
+    assert "ubatch" in made.stdout  # the table of each ubatch's memory, as without -o
+    decided = json.loads((tmp_path / "plan" / "run.json").read_text())
+    assert decided["request"]["n_ctx"] >= 400  # a context that holds the prompt
+    from flexoffload.runtime.engine import count_tokens
+
+    assert count_tokens(flags[1], decided["request"]["prompt"]) == 400
+    prepared = api.prepare(request_from_args([*flags, "-p", decided["request"]["prompt"]]))
+    assert prepared.settings.n_ubatch > 1 and decided["settings"]["n_ubatch"] == prepared.settings.n_ubatch

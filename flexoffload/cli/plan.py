@@ -103,6 +103,20 @@ def _describe_precision(model, p, out_dir) -> None:
     click.echo(f"  plan written to {out_dir}: run it with flexoffload run --plan {out_dir}")
 
 
+def _prompt_of(model, n: int) -> str:
+    """A text of n tokens for the model's tokenizer (counted as a run counts a prompt): `--prompt-len L -o` plans
+    for a prompt of that length."""
+    from flexoffload.runtime.engine import count_tokens
+
+    units = n
+    for _ in range(8):
+        got = count_tokens(str(model.path), " a" * units)
+        if got == n:
+            return " a" * units
+        units = max(1, units + n - got)
+    raise FlexoffloadError(f"--prompt-len {n}: no text of {n} tokens found for {model.path.name}'s tokenizer")
+
+
 @click.command()
 @click_options("plan")
 @_errors_as_one_line
@@ -123,7 +137,14 @@ def plan(out_dir, max_prompt, prompt_len, as_json, prompt_file, **params):
         attention = "on" if r.flash_attn == "auto" else r.flash_attn
         _plan_prompt(model, r.mem, max_prompt, prompt_len, r.n_predict, attention,
                      (r.cache_type_k, r.cache_type_v), as_json)
-        return
+        if max_prompt or out_dir is None:
+            return
+        # and with -o, the plan a prompt of that length runs by (its ubatch), in a context that holds it
+        from flexoffload.memory import stepmem
+
+        r = replace(r, prompt=_prompt_of(model, prompt_len),
+                    n_ctx=max(r.n_ctx, stepmem.cells_for(prompt_len + max(r.n_predict, 1))))
+        as_json = False  # the table was the output
     if out_dir is None:
         raise FlexoffloadError("plan writes its files to -o DIR")
     api.check(r)  # what can be refused is refused before anything is measured
