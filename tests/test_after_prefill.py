@@ -13,6 +13,9 @@ from flexoffload.native import stream
 from flexoffload.plan import prefill
 from flexoffload.runtime import engine
 
+# it streams or profiles the real model: what it records of the disk is its own (conftest.module_cache)
+pytestmark = pytest.mark.usefixtures("module_cache")
+
 SHAPE = synth.Shape(n_layer=4, n_embd=1024, n_ff=2816, n_head=8, n_head_kv=4, n_vocab=384, n_ctx_train=1024)
 PROMPT = " ".join(f"w{i}" for i in range(120))
 FFN = r"^blk\.\d+\.ffn_(up|gate|down)\.weight$"

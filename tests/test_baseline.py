@@ -16,6 +16,9 @@ from flexoffload.gguf import catalog
 from flexoffload import native
 from flexoffload.memory.budgets import MiB
 
+# it streams or profiles the real model: what it records of the disk is its own (conftest.module_cache)
+pytestmark = pytest.mark.usefixtures("module_cache")
+
 FIXTURE = Path(__file__).parent / "fixtures" / "llama_speculative_humaneval2.json"
 REPO = Path(__file__).resolve().parent.parent
 

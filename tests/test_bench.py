@@ -2,7 +2,12 @@
 
 import csv
 
+import pytest
+
 from conftest import cli
+
+# it streams or profiles the real model: what it records of the disk is its own (conftest.module_cache)
+pytestmark = pytest.mark.usefixtures("module_cache")
 
 
 def test_bench_two_strategies_on_the_tiny_model(tiny_model, tmp_path):

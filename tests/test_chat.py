@@ -11,6 +11,9 @@ import pytest
 from flexoffload.runtime import chat
 from flexoffload.runtime.engine import Engine, Settings
 
+# it streams or profiles the real model: what it records of the disk is its own (conftest.module_cache)
+pytestmark = pytest.mark.usefixtures("module_cache")
+
 
 def converse(*args: str, stdin: str, timeout: float = 600) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "flexoffload", "run", "-cnv", *args], input=stdin,

@@ -12,6 +12,9 @@ from flexoffload.bench import headline as hl
 from flexoffload.bench.headline import Case, Outcome, Record, Row, System
 from flexoffload.memory.budgets import MiB
 
+# it streams or profiles the real model: what it records of the disk is its own (conftest.module_cache)
+pytestmark = pytest.mark.usefixtures("module_cache")
+
 
 def record(row, rep, prompt, system, value, side="upstream", ok=True):
     return Record(row=row, rep=rep, prompt=prompt, system=system, side=side, value=value, ok=ok, decode_tok_s=value,

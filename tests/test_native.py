@@ -7,6 +7,9 @@ import pytest
 
 from flexoffload import native
 
+# it streams or profiles the real model: what it records of the disk is its own (conftest.module_cache)
+pytestmark = pytest.mark.usefixtures("module_cache")
+
 PROMPT = "def add(a, b):\n    return a + b\n" * 20  # ~240 tokens: several ubatches of matmuls
 
 
