@@ -1,23 +1,34 @@
 """What a request may not ask, checked in one place: each concern's own check (check_concern) and the combinations
-refused across concerns (RULES, each with its reason; docs/options.md lists them). options.py declares the options
-as data; this module, above the layers whose names and limits it checks against, says what of them is refused.
+refused across concerns or against the model (RULES, each with its reason; docs/options.md lists them). options.py
+declares the options as data; this module, above the layers whose names and limits it checks against, says what of
+them is refused.
 
-`check(request)` runs every concern's check, then every rule: the first that fails is a one-line FlexoffloadError,
-before anything is loaded or measured.
+`check(request)` runs every concern's check, then every rule on the request alone: the first that fails is a
+one-line FlexoffloadError, before anything is loaded or measured. `check_model(request, model)` runs the rules that
+read the model's header too (and the draft's, with -md), once prepare has it: still before a weight is read.
+
+A guard below this layer that protects the API against the same input (the planners, the Speculator's settings)
+raises the text its rule says, held as a constant there and named here: the text lives once.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Callable
 
 from flexoffload import FlexoffloadError
+from flexoffload.gguf import catalog
+from flexoffload.gguf.model import Model, load
+from flexoffload.gguf.moefy import SOURCE_ARCH
+from flexoffload.measure.sparsity import DENSE_ONLY
 from flexoffload.defaults import EXPERT_LOOKAHEAD, EXPERT_READS, KV_TYPES, STRATEGIES
 from flexoffload.native.devices import parse_endpoints
 from flexoffload.options import CONCERN_CLASSES
 from flexoffload.plan import levels, mixed
+from flexoffload.plan.planners import WHOLE_LOOKAHEAD_REFUSED, WHOLE_SLOTS_REFUSED
 from flexoffload.speculation.drafters import DRAFTERS, SPEC_TYPES
-from flexoffload.speculation.settings import FLASH_ATTN_OFF
+from flexoffload.speculation.settings import FLASH_ATTN_OFF, ROWS_REFUSED, RPC_FLASH_REFUSED
 from flexoffload.speculation.tree import MAX_NODES
 
 
@@ -92,6 +103,8 @@ def _check_placement(p) -> None:
 def _check_precision(q) -> None:
     if q.mode not in (None, "auto"):
         raise FlexoffloadError(f"--precision takes auto (the file's own types: leave it out), not {q.mode}")
+    if q.max_kld is not None and q.min_tok_s is not None:
+        raise FlexoffloadError(mixed.BOTH_BOUNDS)
     if q.sparsity is not None and q.mode:
         return  # both: a rule across them says why not
     if q.sparsity is not None:
@@ -99,8 +112,8 @@ def _check_precision(q) -> None:
             raise FlexoffloadError("--max-kld goes with --sparsity auto (or --precision auto)")
         if q.min_tok_s is not None or q.original:
             raise FlexoffloadError("--min-tok-s and --original go with --precision auto")
-    else:
-        mixed.check_options(q.mode, q.max_kld, q.min_tok_s, q.original)
+    elif (q.max_kld is not None or q.min_tok_s is not None or q.original) and not q.mode:
+        raise FlexoffloadError("--max-kld, --min-tok-s and --original go with --precision auto")
 
 
 _CHECKS = {"generation": _check_generation, "budget": _check_budget, "draft": _check_draft,
@@ -112,14 +125,36 @@ def check_concern(config) -> None:
     _CHECKS[next(k for k, cls in CONCERN_CLASSES.items() if isinstance(config, cls))](config)
 
 
-# --- checks across concerns: the combinations that remain refused, each with its reason ----------------------------
+# --- the rules: combinations refused across concerns, or against the model's header, each with its reason ---------
+
+@dataclass(frozen=True)
+class Headers:
+    """What a rule that needs the model reads: the target's header (the file run) and, with -md, the draft's."""
+    target: Model
+    draft: Model | None = None
+
+    @property
+    def kind(self) -> str:
+        """The target's architecture as a refusal names it: "qwen3moe with experts"."""
+        return self.target.arch + (" with experts" if self.target.n_expert else "")
+
 
 @dataclass(frozen=True)
 class Rule:
-    """A combination refused: `when(request)` says it applies, `message` is the one-line error, `reason` why."""
-    when: Callable
+    """A refusal: `when(request)` says it applies (needs_model: `when(request, headers)`, a Headers), `message` is the
+    one-line error (a model rule's may name the files: a str.format of r, the request, m, the Headers, and name and
+    kind, the target's file name and architecture), `reason` why. `name`: how the tests name it."""
+    name: str
+    when: Callable[..., bool]
     message: str
     reason: str
+    needs_model: bool = False
+
+    def says(self, r, m: Headers | None = None) -> str:
+        """The one-line error for this request (and model)."""
+        if not self.needs_model:
+            return self.message
+        return self.message.format(r=r, m=m, name=m.target.path.name, kind=m.kind)
 
 
 def _free_given(r) -> bool:
@@ -128,26 +163,30 @@ def _free_given(r) -> bool:
 
 
 RULES: tuple[Rule, ...] = (
-    Rule(lambda r: bool(r.precision) and (not r.mem or r.plan_dir or r.rpc or (r.strategy or "stream") != "stream"
+    Rule("prompt", lambda r: not r.prompt, "no prompt: give one with -p TEXT or -f FILE",
+         "the first token is decoded from the prompt's last logits"),
+    Rule("precision-alone",
+         lambda r: bool(r.precision) and (not r.mem or r.plan_dir or r.rpc or (r.strategy or "stream") != "stream"
                                           or r.policy != "balanced" or r.window is not None),
          "--precision auto plans precision with residency under --mem, by the balanced policy: not with --plan, "
          "--rpc, --policy, --window or another --strategy", "the requantized file and its plan are made together "
          "under this machine's budget, the walk predicting each point by the balanced plan; a saved plan or a "
          "placement across devices was made for another file"),
-    Rule(lambda r: r.sparsity is not None and bool(r.precision or r.draft or r.rpc or r.plan_dir or r.chat),
+    Rule("sparsity-alone",
+         lambda r: r.sparsity is not None and bool(r.precision or r.draft or r.rpc or r.plan_dir or r.chat),
          "--sparsity: not with --precision, -md, --rpc, --plan or -cnv",
          "a level is its own grouped file run through the expert-selective path: each of a tree's tokens reads its "
          "own groups (measured not to pay on the 1.5B, docs/neurons.md); with --rpc, --plan or -cnv it is not built"),
-    Rule(lambda r: (bool(r.draft) or _free_given(r)) and r.flash_attn == "off" and bool(r.rpc),
-         "speculation with --rpc verifies its trees with flash attention: not with -fa off", FLASH_ATTN_OFF),
-    Rule(lambda r: (bool(r.draft) or _free_given(r)) and (r.n_ubatch == 1 or r.n_batch < 2),
-         "speculation (-md, --spec-type) verifies trees of 2 tokens or more a pass: -b and -ub at least 2",
-         "a tree is verified in one forward pass"),
-    Rule(lambda r: bool(r.forced) and (bool(r.draft) or _free_given(r) or r.chat),
+    Rule("spec-rpc-flash", lambda r: (bool(r.draft) or _free_given(r)) and r.flash_attn == "off" and bool(r.rpc),
+         RPC_FLASH_REFUSED, FLASH_ATTN_OFF),
+    Rule("spec-rows", lambda r: (bool(r.draft) or _free_given(r)) and (r.n_ubatch == 1 or r.n_batch < 2),
+         ROWS_REFUSED, "a tree is verified in one forward pass"),
+    Rule("forced-alone", lambda r: bool(r.forced) and (bool(r.draft) or _free_given(r) or r.chat),
          "a forced text decodes token by token: not with -md, --spec-type or -cnv",
          "teacher forcing measures the target's decode as a text routes it; a tree or a conversation would choose "
          "other tokens"),
-    Rule(lambda r: r.tune is not None and (not r.mem or r.policy != "balanced" or r.window is not None
+    Rule("tune-alone",
+         lambda r: r.tune is not None and (not r.mem or r.policy != "balanced" or r.window is not None
                                            or bool(r.precision or r.rpc or r.plan_dir or r.draft)
                                            or (r.strategy or "stream") != "stream"),
          "--tune measures plans under --mem: it chooses the policy and window; not with --precision, --rpc, --plan, "
@@ -155,10 +194,28 @@ RULES: tuple[Rule, ...] = (
          "the candidates are the balanced plans by window and every baseline policy, each run cold under the "
          "enforced budget by the target alone; a precision plan, a placement, a saved plan or a draft's tree is "
          "another run"),
-    Rule(lambda r: bool(r.rpc and r.draft), "--rpc and -md: speculation with a draft model runs on this machine only",
+    Rule("rpc-draft", lambda r: bool(r.rpc and r.draft),
+         "--rpc and -md: speculation with a draft model runs on this machine only",
          "not built: the draft's placement beside the target's on the servers (free drafters do run with --rpc, "
          "their trees kept under the servers' tiled kernels' 8 rows)"),
+    Rule("whole-slots", lambda r: r.expert_reads == "whole" and r.expert_slots is not None, WHOLE_SLOTS_REFUSED,
+         "an expert tensor read whole is streamed by the window as a dense tensor: there is no expert to cache"),
+    Rule("whole-lookahead", lambda r: r.expert_reads == "whole" and r.expert_lookahead == "on",
+         WHOLE_LOOKAHEAD_REFUSED, "lookahead reads the next layer's predicted experts one by one into its slots; "
+         "read whole, every expert is read anyway"),
+    # the rules that read the model's header (cheap: gguf.model.load reads no weight)
+    Rule("draft-vocabulary", lambda r, m: m.draft is not None and m.draft.n_vocab != m.target.n_vocab,
+         "the draft {m.draft.path.name} has another vocabulary ({m.draft.n_vocab} tokens, the target "
+         "{m.target.n_vocab}): a draft must share the target's tokens",
+         "a tree's tokens are the draft's ids, verified as the target's", needs_model=True),
+    Rule("sparsity-dense", lambda r, m: r.sparsity is not None and (m.target.arch != SOURCE_ARCH
+                                                                    or bool(m.target.n_expert)),
+         DENSE_ONLY,
+         "predicted neurons are groups of a dense FFN's neurons (gguf/moefy.py re-lays out a " + SOURCE_ARCH +
+         " SwiGLU FFN); a mixture of experts has no dense FFN to group", needs_model=True),
 )
+BY_NAME = {rule.name: rule for rule in RULES}
+
 
 
 def check(r) -> None:
@@ -166,15 +223,25 @@ def check(r) -> None:
     fails."""
     for concern in r.concerns().values():
         check_concern(concern)
-    if not r.prompt:
-        raise FlexoffloadError("no prompt: give one with -p TEXT or -f FILE")
     for rule in RULES:
-        if rule.when(r):
-            raise FlexoffloadError(rule.message)
+        if not rule.needs_model and rule.when(r):
+            raise FlexoffloadError(rule.says(r))
+
+
+def check_model(r, model: Model) -> None:
+    """The rules that read the model's header (and the draft's, with -md: its header read here): a one-line
+    FlexoffloadError for the first that fails. prepare calls it once it has the file run."""
+    m = Headers(model, load(catalog.resolve(r.draft)) if r.draft else None)
+    for rule in RULES:
+        if rule.needs_model and rule.when(r, m):
+            raise FlexoffloadError(rule.says(r, m))
 
 
 def refusals_table() -> str:
-    """RULES as a markdown table (docs/options.md)."""
-    rows = ["| refused | why |", "| --- | --- |"]
-    rows += [f"| {rule.message} | {rule.reason} |" for rule in RULES]
+    """RULES as a markdown table (docs/options.md); a model rule's message with what it names in <>."""
+    rows = ["| refused | reads | why |", "| --- | --- | --- |"]
+    for rule in RULES:
+        message = re.sub(r"\{(?:[rm]\.)?([\w.]+)\}", lambda f: "<" + f.group(1).replace(".path", "") + ">",
+                         rule.message)
+        rows.append(f"| {message} | {'the model too' if rule.needs_model else 'the request'} | {rule.reason} |")
     return "\n".join(rows)

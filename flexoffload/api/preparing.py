@@ -1,7 +1,7 @@
 """prepare: everything before loading, as a short sequence of named steps that returns a Prepared.
 
-    check -> files -> budget -> precision -> sparsity -> servers -> saved -> drafting -> prefill -> plan (tune)
-          -> settings
+    check -> files -> check the model -> budget -> precision -> sparsity -> servers -> saved -> drafting
+          -> prefill -> plan (tune) -> settings
 
 The request stays as the user gave it (`Prepared.request`). Each step returns its own frozen decision (Files,
 Lowered, Prefill, Planned, drafting.Drafting); the values the next steps read are the request with the decisions so
@@ -143,7 +143,6 @@ def _sparsity(w, files: Files, limit: int | None, notes: list[str]) -> Files:
     """run --sparsity: the file of predicted neuron groups at the level asked for, or chosen (auto: the fewest
     groups within --max-kld, then only where its plan is predicted faster than the dense model's)."""
     model = files.model
-    sparsity.check(model)
     want = levels.parse(w.sparsity)
     dense = replace(w, sparsity=None, max_kld=None)
     say = log.info  # a first build takes minutes: said as it goes
@@ -297,6 +296,7 @@ def prepare(request, n_seq_max: int = 1, server: bool = False) -> Prepared:
     strategy = request.strategy or ("stream" if request.mem or request.plan_dir else "mmap")
     w = _values(request, strategy=strategy)
     files = _files(w)
+    rules.check_model(w, files.model)  # what the headers refuse (another vocabulary, ...), before the prompt is read
     n_prompt = _prompt_tokens(files.model, _values(w, model=str(files.model.path)))
     limit = _budget(w, files.named)
     notes: list[str] = []

@@ -27,8 +27,6 @@ by measure/dryrun.py)."""
 
     budget = budgets.parse_size(mem, model.file_size)
     if max_prompt:
-        if cache_types != ("f16", "f16") and flash_attn != "on":
-            raise FlexoffloadError("a quantized KV cache needs flash attention (-fa on)")
         found = measured.max_prompt(model, budget, n_predict, flash_attn, *cache_types)
         if as_json:
             click.echo(json.dumps({"budget": budget, "longest": None if found is None else found.__dict__}))
@@ -132,6 +130,7 @@ def plan(out_dir, max_prompt, prompt_len, as_json, prompt_file, **params):
     fields = options.request_fields(params)
     text = fields.pop("prompt")  # -p or -f: planned for that prompt (its ubatch); neither: one token's
     r = options.Request(prompt=_read_prompt(text, prompt_file) if text is not None or prompt_file else " ", **fields)
+    api.check(r)  # what can be refused is refused before anything is measured (a quantized V cache with -fa off, ...)
     model = load(catalog.resolve(r.model))
     if max_prompt or prompt_len is not None:
         attention = "on" if r.flash_attn == "auto" else r.flash_attn
@@ -147,7 +146,6 @@ def plan(out_dir, max_prompt, prompt_len, as_json, prompt_file, **params):
         as_json = False  # the table was the output
     if out_dir is None:
         raise FlexoffloadError("plan writes its files to -o DIR")
-    api.check(r)  # what can be refused is refused before anything is measured
     if r.precision and r.original:
         from flexoffload.measure import requantize
 

@@ -42,11 +42,17 @@ KLD_CHUNKS = 16  # held-out chunks of N_CTX tokens (llama-perplexity scores each
 KLD_VERSION = "1"
 
 
+# what check refuses, written once: rules.py's "sparsity-dense" says it of --sparsity before anything loads (the file
+# named, and its architecture: "qwen3moe with experts")
+DENSE_ONLY = "{name} is {kind}: predicted neurons are built for a dense " + moefy.SOURCE_ARCH + " model"
+
+
 def check(model: Model) -> None:
-    """Only a dense qwen2 with a SwiGLU FFN is grouped (moefy's source architecture)."""
+    """Only a dense qwen2 with a SwiGLU FFN is grouped (moefy's source architecture): build's guard (profile
+    --neurons, the API)."""
     if model.arch != moefy.SOURCE_ARCH or model.n_expert:
-        raise FlexoffloadError(f"{model.path.name} is {model.arch}{' with experts' if model.n_expert else ''}: "
-                               f"predicted neurons are built for a dense {moefy.SOURCE_ARCH} model")
+        kind = model.arch + (" with experts" if model.n_expert else "")
+        raise FlexoffloadError(DENSE_ONLY.format(name=model.path.name, kind=kind))
 
 
 def _say(say, msg: str) -> None:

@@ -23,6 +23,7 @@ from flexoffload.gguf.model import Model
 from flexoffload.plan import qtypes
 from flexoffload.plan.qtypes import Row, Sensitivity
 
+BOTH_BOUNDS = "give --max-kld or --min-tok-s, not both"  # rules.py refuses the options with it first
 DEFAULT_MAX_KLD = 0.05  # nats: about half of what requantizing this Q4_K_M to Q3_K_M costs (0.089, measured)
 
 
@@ -156,16 +157,10 @@ def search(model: Model, budget: int, sens: Sensitivity, profile, run, io_thread
 def choose(walk_: Walk, max_kld: float | None, min_tok_s: float | None) -> Point:
     """The walk's point for the bound: the fastest within --max-kld, or the least harm reaching --min-tok-s."""
     if max_kld is not None and min_tok_s is not None:
-        raise FlexoffloadError("give --max-kld or --min-tok-s, not both")
+        raise FlexoffloadError(BOTH_BOUNDS)
     if min_tok_s is not None:
         return walk_.least_harm(min_tok_s)
     point = walk_.fastest(DEFAULT_MAX_KLD if max_kld is None else max_kld)
     if point.predicted_tok_s <= 0:
         raise FlexoffloadError("no plan within the bound fits the budget: raise --mem or --max-kld")
     return point
-
-
-def check_options(precision_: str | None, max_kld: float | None, min_tok_s: float | None, original) -> None:
-    """run's and plan's --max-kld, --min-tok-s and --original mean something only with --precision auto."""
-    if (max_kld is not None or min_tok_s is not None or original) and not precision_:
-        raise FlexoffloadError("--max-kld, --min-tok-s and --original go with --precision auto")

@@ -148,7 +148,7 @@ class Engine:
     def __init__(self, model_path: str, settings: Settings, log: _Log | None = None, eval_callback=None):
         """eval_callback: llama.cpp's ggml_backend_sched_eval_callback (a ctypes function), kept for the context's
         life: the scheduler asks it of every node (opprofile.py times operators with it)."""
-        if settings.strategy not in STRATEGIES:
+        if settings.strategy not in STRATEGIES:  # the API's guard: rules.py's budget check refuses the option first
             raise FlexoffloadError(f"unknown strategy {settings.strategy!r}: one of {', '.join(STRATEGIES)}")
         self.settings = settings
         lib = self.lib = llama_cpp()
@@ -174,7 +174,7 @@ class Engine:
                 mparams.tensor_split = self._split
             overrides += [(p.encode(), devices.buffer_type(b)) for p, b in settings.placed_patterns]
         else:
-            if settings.placed_patterns:
+            if settings.placed_patterns:  # the API's guard: prepare refuses a saved plan's placement without --rpc
                 raise FlexoffloadError("the plan places tensors on other devices: give their servers with --rpc")
             # no device but the CPU: an RPC server an earlier engine of this process registered is in ggml's
             # registry, and llama.cpp would offload every layer to it by default

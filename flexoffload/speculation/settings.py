@@ -28,6 +28,9 @@ RPC_NODES = 7
 FLASH_ATTN_OFF = ("without flash attention a server computes attention's matmuls for a pass of 2 or more tokens with "
                   "llamafile's sgemm and for one token with vec_dot, which round differently (the 1.5B's logits 0.62 "
                   "apart); this process turns sgemm off for its own passes (patch 0023), not a server's")
+# the refusals check_settings guards, written once: rules.py's rules "spec-rpc-flash" and "spec-rows" refuse them first
+RPC_FLASH_REFUSED = "speculation with --rpc verifies its trees with flash attention: not with -fa off"
+ROWS_REFUSED = "speculation (-md, --spec-type) verifies trees of 2 tokens or more a pass: -b and -ub at least 2"
 
 
 def check_settings(settings) -> None:
@@ -37,10 +40,9 @@ def check_settings(settings) -> None:
     token (a tree needs two or more a pass). On the CPU a pass computes attention's matmuls row by row as a
     one-token pass does (patch 0023: sgemm follows the switch verification turns off)."""
     if settings.flash_attn == "off" and settings.rpc:
-        raise FlexoffloadError(f"speculation with --rpc verifies its trees with flash attention: not with -fa off "
-                               f"({FLASH_ATTN_OFF})")
+        raise FlexoffloadError(RPC_FLASH_REFUSED)
     if settings.n_ubatch == 1 or settings.n_batch < 2:
-        raise FlexoffloadError("speculation verifies trees of 2 tokens or more a pass: -b and -ub at least 2")
+        raise FlexoffloadError(ROWS_REFUSED)
 
 
 def free_nodes(options: Options) -> int:

@@ -92,7 +92,7 @@ class Speculator:
         self.n_seq = n_seq if self.options.tree else 1
         tv = self.lib.llama_vocab_n_tokens(target.vocab)
         dv = self.lib.llama_vocab_n_tokens(draft.vocab) if draft else tv
-        if tv != dv:
+        if tv != dv:  # the API's guard (engines given directly): rules.py's "draft-vocabulary" refuses -md first
             raise FlexoffloadError(f"the draft's vocabulary ({dv} tokens) is not the target's ({tv})")
         self.n_vocab = tv
         # its parts, each given what it works on; the call's state (_Call) is handed to them step by step

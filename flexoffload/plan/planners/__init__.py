@@ -43,6 +43,10 @@ from flexoffload.plan.planners.baselines import BASELINES
 from flexoffload.plan.planners.common import Planner, always_resident, is_small, memory_for  # noqa: F401
 from flexoffload.plan.plans import Memory, Plan
 
+# what _moe_plan refuses, written once: rules.py's rules say it of the options
+WHOLE_SLOTS_REFUSED = "expert slots are a cache of experts read by expert: not with expert tensors read whole"
+WHOLE_LOOKAHEAD_REFUSED = "expert lookahead reads experts by expert: not with expert tensors read whole"
+
 AUTO_WINDOWS = (0, 1, 2, 3, 4)  # prefetch windows make_plan chooses among (FlexInfer's default is 3)
 
 # every policy by name: the default, then the paper's (baselines.py)
@@ -112,10 +116,10 @@ def _moe_plan(model: Model, budget: int, policy: str, profile: Profile, window: 
     whole by the window (_whole_plan): faster where a token routes to a large share of the experts. None: the
     faster. lookahead: whether a decoded token's layer reads the next layer's predicted experts (patch 0029); None:
     where a token's experts fit in the slots."""
-    if whole and slots is not None:
-        raise FlexoffloadError("expert slots are a cache of experts read by expert: not with expert tensors read whole")
-    if whole and lookahead:
-        raise FlexoffloadError("expert lookahead reads experts by expert: not with expert tensors read whole")
+    if whole and slots is not None:  # rules.py's "whole-slots" refuses the options first; this guards the API
+        raise FlexoffloadError(WHOLE_SLOTS_REFUSED)
+    if whole and lookahead:  # and "whole-lookahead"
+        raise FlexoffloadError(WHOLE_LOOKAHEAD_REFUSED)
     windows = AUTO_WINDOWS if window is None else (window,)
     refuse_below(model, budget, min(minimum_budget(model, w, kv_cache, compute, overhead, code) for w in windows),
                  min(windows))
