@@ -312,14 +312,13 @@ def prepare(request, n_seq_max: int = 1, server: bool = False) -> Prepared:
                 max_kld=None if w.sparsity is not None else w.max_kld)
     saved, drafted = _saved(w) if w.plan_dir else (None, {})
     w = _values(w, **drafted, **(vars(saved) if saved else {}))
-    chosen = drafting.Drafting()  # the target alone; --tune times its candidates so
-    if w.tune is not None:
-        pass
-    elif server:  # llama-server's own speculation (Prepared.draft: the draft model, free: its n-gram types)
+    chosen = drafting.Drafting()  # the target alone
+    one = n_seq_max == 1 and w.tune is None  # (--tune times its candidates by the target alone)
+    if server:  # llama-server's own speculation (Prepared.draft: the draft model, free: its n-gram types)
         chosen = drafting.for_server(model, w, limit, n_seq_max, notes)
-    elif w.draft and n_seq_max == 1:
+    elif one and w.draft:
         chosen = drafting.with_model(model, load(catalog.resolve(w.draft)), w, limit, notes)
-    elif n_seq_max == 1 and rules.spec_types(w.spec_type, None):
+    elif one and rules.spec_types(w.spec_type, None):
         chosen = drafting.free(model, w, limit, notes)  # (a tree's prompt is read at -b, as -md's)
     prefill = None
     if chosen.alone:
