@@ -136,8 +136,14 @@ def expert_run_bw(timings: dict) -> float:
     elapsed, stall = total / (timings["stream_read_gb_s"] * 1e9), timings.get("stream_stall_s", 0.0)
     if stall <= 0 or stall < IO_BOUND_SHARE * elapsed:
         return 0.0
-    ahead = timings.get("expert_predicted", 0) or timings.get("expert_ahead", 0)
-    return n_bytes / (elapsed if ahead else stall)
+    if timings.get("expert_predicted", 0):
+        # lookahead reads the next layer's experts under this one's compute, every token: neither the waits nor the
+        # run's time is the reads' (the 120b shape's runs met 1.37-1.67 GB/s decoding at 12 GiB, and bytes over
+        # the run's time, its 18-26 s prompt included, said 0.96-1.38: planned with, the predictions fell further
+        # below measured, results/moe_120b_predicted.csv), so such a run records nothing
+        return 0.0
+    # a prompt's batch read the next layer's experts ahead (patch 0022): over the run's time, a lower bound
+    return n_bytes / (elapsed if timings.get("expert_ahead", 0) else stall)
 
 
 def record_expert_run(path, timings: dict) -> float:
