@@ -54,6 +54,6 @@ def prepare_parallel(request, n_parallel: int):
             high = n
     if best is None:
         raise first
-    best.notes.append(f"flexoffload: -np capped at {low}: {n_parallel} sequences decoded together do not fit in "
-                      f"--mem {request.mem} ({first}); {low} do")
-    return best, low
+    capped = (f"flexoffload: -np capped at {low}: {n_parallel} sequences decoded together do not fit in --mem "
+              f"{request.mem} ({first}); {low} do")
+    return replace(best, notes=[*best.notes, capped]), low
