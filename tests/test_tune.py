@@ -7,7 +7,7 @@ from flexoffload.gguf import synth
 from flexoffload.gguf.model import load
 from flexoffload.measure import probe
 from flexoffload.measure import tuning
-from flexoffload.plan import tuning as choice
+from flexoffload.plan import candidates
 from flexoffload.memory import budgets
 
 STREAMABLE = synth.Shape(n_layer=4, n_embd=1024, n_ff=2816, n_head=8, n_head_kv=4, n_vocab=384, n_ctx_train=1024)
@@ -20,11 +20,11 @@ def test_tune_measures_the_candidates_keeps_the_fastest_and_run_uses_it(tmp_path
     mem = budgets.holding(m, m.weight_bytes * 3 // 4, probe.measure(m, 512, 512))
     out = json.loads(cli("plan", "-m", str(path), "--mem", str(mem), "-c", "512", "-o", str(tmp_path / "plan"),
                          "--tune", "2", "--tune-rounds", "1", "--json", check=True).stdout)
-    candidates = out["tuning"]
-    assert len(candidates) >= 2 and all(t["error"] == "" and t["measured_tok_s"] > 0 for t in candidates)
-    best = candidates[choice.pick([t["measured_tok_s"] for t in candidates])]
+    tried = out["tuning"]
+    assert len(tried) >= 2 and all(t["error"] == "" and t["measured_tok_s"] > 0 for t in tried)
+    best = tried[candidates.pick([t["measured_tok_s"] for t in tried])]
     assert (out["policy"], out["window"]) == (best["policy"], best["window"])
-    assert candidates[-1]["policy"] == "mmap"  # upstream mmap under the same budget is a candidate too
+    assert tried[-1]["policy"] == "mmap"  # upstream mmap under the same budget is a candidate too
     assert tuning.cached(m, mem, 512, 512) is not None
 
     # the target alone: where --spec-type auto finds free drafters pay (by the profile this machine measured), the
@@ -45,11 +45,11 @@ def test_tune_measures_the_candidates_keeps_the_fastest_and_run_uses_it(tmp_path
 
 
 def test_pick_keeps_the_predicted_best_unless_another_is_clearly_faster():
-    assert choice.pick([10.0, 10.2, 9.0]) == 0  # 2% faster: within the drift
-    assert choice.pick([10.0, 10.5, 9.0]) == 1  # 5% faster
-    assert choice.pick([10.0, 10.5, 11.0]) == 2
-    assert choice.pick([0.0, 3.0, 4.0]) == 2  # the predicted best failed
-    assert choice.pick([10.0, 10.5], margin=0.1) == 0
+    assert candidates.pick([10.0, 10.2, 9.0]) == 0  # 2% faster: within the drift
+    assert candidates.pick([10.0, 10.5, 9.0]) == 1  # 5% faster
+    assert candidates.pick([10.0, 10.5, 11.0]) == 2
+    assert candidates.pick([0.0, 3.0, 4.0]) == 2  # the predicted best failed
+    assert candidates.pick([10.0, 10.5], margin=0.1) == 0
 
 
 def test_a_run_whose_tuned_choice_is_mmap_says_so_and_runs_mmap(tmp_path, monkeypatch):
@@ -64,11 +64,11 @@ def test_a_run_whose_tuned_choice_is_mmap_says_so_and_runs_mmap(tmp_path, monkey
     m = load(path)
     run = probe.measure(m, 512, 512)
     mem = budgets.holding(m, m.weight_bytes * 3 // 4, run)
-    best = choice.candidates(m, mem, measure(m, 2), run, 1)[0]
+    best = candidates.candidates(m, mem, measure(m, 2), run, 1)[0]
     measured = ({"policy": best.policy, "window": best.window, "predicted_tok_s": best.predicted_tok_s,
                "measured_tok_s": 2.0, "runs": [2.0], "error": ""},
               {"policy": "mmap", "window": 0, "predicted_tok_s": 0.0, "measured_tok_s": 3.0, "runs": [3.0], "error": ""})
-    plans.write(replace(choice.mmap_candidate(m, mem, best), tuning=measured), tuning.cache_path(m, mem, 512, 512))
+    plans.write(replace(candidates.mmap_candidate(m, mem, best), tuning=measured), tuning.cache_path(m, mem, 512, 512))
     request = api.Request(model=str(path), prompt="a b c", n_predict=4, n_ctx=512, temp=0, mem=str(mem))
     p = api.prepare(request)
     assert p.strategy == "mmap" and p.plan is None

@@ -17,7 +17,7 @@ from flexoffload.gguf.model import load
 from flexoffload.measure import probe, profiler, requantize
 from flexoffload.rules import spec_types
 from flexoffload.plan import plans
-from flexoffload.plan import costmodel, qtypes, tuning
+from flexoffload.plan import candidates, costmodel, qtypes
 from flexoffload.plan.planners import resident_bytes
 from flexoffload.runtime import server
 from flexoffload.speculation import drafters, history, control as speccontrol, tree as spectree, speculate
@@ -60,7 +60,7 @@ def free_pays(model, r, limit: int | None) -> bool:
         alone = plan_for_run(model, r, limit)
     except FlexoffloadError:  # a budget only the long prompt's own ubatch fits: not one for a tree either
         return False
-    if alone is None or alone.policy == tuning.MMAP or not plans.streamed_bytes(alone, model):
+    if alone is None or alone.policy == candidates.MMAP or not plans.streamed_bytes(alone, model):
         return False
     return 1 / alone.predicted_tok_s > FREE_PAYS * costmodel.compute_seconds(model, profiler.measure(model, r.n_threads))
 

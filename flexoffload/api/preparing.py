@@ -24,7 +24,7 @@ from flexoffload.gguf.model import Model, load
 from flexoffload.measure import probe, profiler, sparsity, tuning
 from flexoffload.memory import budgets
 from flexoffload.native import devices
-from flexoffload.plan import levels, placers, plans, tuning as candidates
+from flexoffload.plan import candidates, levels, placers, plans
 from flexoffload.plan.planners import check_budget
 from flexoffload.speculation import tree as spectree
 from flexoffload.runtime.engine import count_tokens
@@ -230,7 +230,7 @@ def _tree_prompt(w, model, limit, n_prompt: int, notes: list[str]) -> Prefill | 
 
 
 def _tuned(w, model, limit: int) -> plans.Plan:
-    """plan --tune: the candidate plans (plan/tuning.py) each run cold under the enforced budget, in turn, by the
+    """plan --tune: the candidate plans (plan/candidates.py) each run cold under the enforced budget, in turn, by the
     target alone (measure/tuning.py); the fastest kept, and cached for `run --mem`."""
     run = probe.measure(model, w.n_ctx, w.n_batch)
     check_budget(model, limit, run, w.window)  # a budget too small is refused before anything runs

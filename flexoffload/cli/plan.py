@@ -12,7 +12,7 @@ import click
 from flexoffload import FlexoffloadError
 from flexoffload import options
 from flexoffload.cli.common import _errors_as_one_line, _read_prompt, click_options
-from flexoffload.plan import tuning
+from flexoffload.plan import candidates
 from flexoffload.plan import plans
 from flexoffload.gguf import catalog
 from flexoffload.memory import budgets
@@ -166,7 +166,7 @@ def plan(out_dir, max_prompt, prompt_len, as_json, prompt_file, **params):
     if p.placement is not None:
         _describe_placement(model, p, out_dir)
         return
-    if p.policy == tuning.MMAP:
+    if p.policy == candidates.MMAP:
         click.echo(f"{model.path.name}: at {format_size(p.budget)} run runs upstream mmap (the page cache holds what "
                    f"a token reads), written to {out_dir} (--strategy stream plans streaming)")
         return
@@ -189,4 +189,4 @@ def plan(out_dir, max_prompt, prompt_len, as_json, prompt_file, **params):
                    f"{', the next layer predicted and read ahead' if x.lookahead else ''}")
     click.echo(f"  predicted {p.predicted_tok_s:.2f} tok/s; roofline {p.roofline_tok_s:.2f} tok/s")
     if p.tuning:
-        click.echo("  tuned: the candidates, measured under the budget\n" + tuning.describe(p))
+        click.echo("  tuned: the candidates, measured under the budget\n" + candidates.describe(p))

@@ -1,5 +1,5 @@
 """`plan --tune`: choose among plans by measuring them, where the cost model cannot tell them apart (the candidates
-and the choice among the measured: plan/tuning.py; this module runs them and caches the choice).
+and the choice among the measured: plan/candidates.py; this module runs them and caches the choice).
 
 At low budgets every policy streams nearly the same bytes and the cost model predicts them within a few per cent,
 yet one measured faster than another by 30% (ffn-first against balanced at 0.4x, README). So: the N plans balanced
@@ -24,7 +24,7 @@ from pathlib import Path
 from flexoffload import FlexoffloadError
 from flexoffload.defaults import cache_dir, file_key
 from flexoffload.measure import about
-from flexoffload.plan.tuning import MMAP, candidates, label, mmap_candidate, pick
+from flexoffload.plan.candidates import MMAP, candidates, label, mmap_candidate, pick
 
 log = logging.getLogger(__name__)
 
