@@ -11,6 +11,9 @@ from flexoffload.measure import probe
 from flexoffload.memory import budgets
 from flexoffload.plan import plans
 
+# it plans from measured profiles and streams: what it records of the disk is its own (conftest.module_cache)
+pytestmark = pytest.mark.usefixtures("module_cache")
+
 
 def test_the_concerns_make_the_flat_request_field_for_field():
     r = api.request("m.gguf", "p", api.Generation(n_predict=3, temp=0, n_ctx=256, n_batch=64, n_threads=1),
