@@ -12,6 +12,9 @@ from flexoffload.gguf import synth
 from flexoffload.gguf.model import load
 from flexoffload.native.devices import probe_rpc
 
+# it streams the real model: what it records of the disk is its own (conftest.module_cache)
+pytestmark = pytest.mark.usefixtures("module_cache")
+
 SERVER = 96 << 20
 # 16 layers of 1024 wide: about 140 MiB of Q4_0 weights, more than the server's cgroup
 SHAPE = synth.Shape(n_layer=16, n_embd=1024, n_ff=4096, n_head=8, n_head_kv=2, n_vocab=4096, n_ctx_train=512)
