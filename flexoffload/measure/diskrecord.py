@@ -18,11 +18,25 @@ from flexoffload.defaults import cache_dir, write_atomic
 SUSTAINED_BYTES = 256 << 20
 
 
-def _best_path(path) -> Path | None:
+def _record(name: str, path) -> Path | None:
+    """The file of a record `name` for the device holding path (one a device, beside the profiles); None where path
+    cannot be read."""
     try:
-        return cache_dir() / "profiles" / f"disk-best-{os.stat(path).st_dev}.json"  # one a device
+        return cache_dir() / "profiles" / f"{name}-{os.stat(path).st_dev}.json"
     except OSError:
         return None
+
+
+def _rates(record: Path | None) -> list[float]:
+    """A record's rates (bytes/s), oldest first; none where it is missing or cannot be read."""
+    try:
+        return [float(x) for x in json.loads(record.read_text())["bytes_per_s"]] if record else []
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+
+
+def _best_path(path) -> Path | None:
+    return _record("disk-best", path)
 
 
 def best_disk_bw(path) -> float:
@@ -54,20 +68,13 @@ SEEN_KEEP = 15
 
 
 def _seen_path(path) -> Path | None:
-    try:
-        return cache_dir() / "profiles" / f"disk-seen-{os.stat(path).st_dev}.json"
-    except OSError:
-        return None
+    return _record("disk-seen", path)
 
 
 def seen_disk_bw(path) -> list[float]:
     """The read bandwidths (bytes/s) of the last streamed runs on the device holding path the disk set the pace
     of, oldest first."""
-    seen = _seen_path(path)
-    try:
-        return [float(x) for x in json.loads(seen.read_text())["bytes_per_s"]] if seen else []
-    except (OSError, ValueError, KeyError, TypeError):
-        return []
+    return _rates(_seen_path(path))
 
 
 def record_run(path, timings: dict, typical: bool = True) -> None:
@@ -102,28 +109,21 @@ def typical_disk_bw(path, measured: float) -> float:
 # expert reads set its pace: compute waited on reads for at least IO_BOUND_SHARE of its time, the expert slices
 # were at least half of what it read (else the waits are the dense tensors' too) and at least EXPERT_BYTES, all
 # O_DIRECT. Its rate: the expert bytes over those waits where nothing was read ahead (a burst then overlaps
-# nothing, so the wait is its time, as the plan counts it: plan/replay.py cost); where lookahead or a prompt's batch
-# read experts under compute, over the run's time (the waits would miss the hidden reads): a lower bound, as a dense
-# run's. The last SEEN_KEEP are kept per device.
+# nothing, so the wait is its time, as the plan counts it: plan/replay.py cost); where a prompt's batch read experts
+# under compute, over the run's time (the waits would miss the hidden reads): a lower bound, as a dense run's; a run
+# that looks ahead records nothing (expert_run_bw). The last SEEN_KEEP are kept per device.
 EXPERT_BYTES = SUSTAINED_BYTES
 EXPERT_SHARE = 0.5
 
 
 def _expert_path(path) -> Path | None:
-    try:
-        return cache_dir() / "profiles" / f"expert-seen-{os.stat(path).st_dev}.json"
-    except OSError:
-        return None
+    return _record("expert-seen", path)
 
 
 def seen_expert_bw(path) -> list[float]:
     """The rates (bytes/s) the expert reads of the last MoE runs on the device holding path met where they set the
     run's pace, oldest first."""
-    seen = _expert_path(path)
-    try:
-        return [float(x) for x in json.loads(seen.read_text())["bytes_per_s"]] if seen else []
-    except (OSError, ValueError, KeyError, TypeError):
-        return []
+    return _rates(_expert_path(path))
 
 
 def expert_run_bw(timings: dict) -> float:
