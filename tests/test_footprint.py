@@ -13,6 +13,10 @@ from flexoffload.gguf.model import load
 from flexoffload.measure import probe
 from flexoffload.memory.footprint import KERNEL_FIXED
 
+# its streamed runs over a 256k vocabulary can read past diskrecord.SUSTAINED_BYTES, which records the disk: what it
+# records is its own (conftest.module_cache)
+pytestmark = pytest.mark.usefixtures("module_cache")
+
 
 def sampling_bytes(n_vocab: int) -> int:
     """A sampled token's scratch, from llama.cpp's own types: its candidate array (a llama_token_data, as the

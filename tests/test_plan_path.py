@@ -26,14 +26,14 @@ def models(tmp_path_factory):
             "draft": synth.write(d / "draft.gguf", dataclasses.replace(DENSE, n_layer=1, n_ff=512), seed=1)}
 
 
-def _case(name, models) -> list[str]:
-    """The flags of a case, its budget the least one plus ROOM: something streams."""
+def _case(name, models, setting=SETTING[:6]) -> list[str]:
+    """The flags of a case, its budget the least one for setting (-c, -b, -t) plus ROOM: something streams."""
     model = models["moe" if name == "moe" else "dense"]
     flags = ["-m", str(model), "--strategy", "stream"]
     flags += {"dense": ["--spec-type", "none"], "moe": ["--spec-type", "none"], "md": ["-md", str(models["draft"]), "--draft-always"],
               "precision": ["--precision", "auto", "--max-kld", "0.05", "--spec-type", "none"]}[name]
     own_types = flags[:flags.index("--precision")] if name == "precision" else flags  # lower types take less
-    refused = cli("plan", *own_types, *SETTING[:6], "--mem", "8M", "-o", "unused")  # a draft is 6 MiB
+    refused = cli("plan", *own_types, *setting, "--mem", "8M", "-o", "unused")  # a draft is 6 MiB
     assert "the minimum is" in refused.stderr, refused.stderr
     least = float(refused.stderr.split("the minimum is ")[1].split()[0])
     return flags + ["--mem", f"{int(least * 2**20) + ROOM}"]
@@ -77,7 +77,8 @@ def test_prompt_len_with_o_writes_the_plan_of_a_prompt_that_long(models, tmp_pat
     """`plan --prompt-len L -o DIR` plans for a prompt of L tokens: its ubatch is the one run chooses for such a
     prompt under the budget, and run --plan DIR computes the prompt in it."""
     set_profile(models["dense"], 2, 200.0, disk_bw=2e8)
-    flags = [*_case("dense", models), "-c", "1024", "-t", "2"]
+    setting = ["-c", "1024", "-t", "2"]
+    flags = [*_case("dense", models, setting), *setting]  # the least budget of this context: its cache is 4x
     made = cli("plan", *flags, "--prompt-len", "400", "-o", str(tmp_path / "plan"))
     assert made.returncode == 0, made.stderr
     assert "ubatch" in made.stdout  # the table of each ubatch's memory, as without -o
