@@ -263,26 +263,33 @@ def test_a_moe_s_routers_stay_resident_at_every_budget(tmp_path):
     assert plan.experts.lookahead and not routers & set(plan.streamed)
 
 
-def test_lookahead_hides_the_predicted_share_of_a_layer_s_reads_up_to_a_layer_s_compute(moe):
-    """With lookahead, the share of a layer's misses the layer before predicts (the measured recall) was read while
-    that layer computed: the token saves that share of each burst's time, at most one layer's compute a layer. No
-    recall measured, or lookahead off: nothing saved. The plan counts it in its prediction."""
+def test_lookahead_pipelines_the_layers_reads_over_one_disk(moe):
+    """With lookahead, the share of a layer's misses the layer before predicts (the measured recall) is queued at
+    that layer's router: where a layer computes longer than its burst reads, that share is hidden and the rest (and
+    the first layer's whole burst: no layer predicts it) is waited for; where reads outlast compute, the disk never
+    idles and the token takes its reads' time plus one layer's compute. No recall measured, or lookahead off: every
+    burst waited for. The plan counts it in its prediction."""
     slots, k = 2, moe.n_expert_used
     plain = replay.Misses.uniform(moe, slots)
     half = dataclasses.replace(plain, recall=(0.5,) * moe.n_layer)
     base = replay.cost(moe, slots, plain, SLICES)
     assert replay.cost(moe, slots, plain, SLICES, lookahead=True).read_s == base.read_s  # no recall measured
     assert replay.cost(moe, slots, half, SLICES).read_s == base.read_s  # lookahead off
-    # a layer computes longer than its burst reads: half of each burst hidden
+    # a layer computes longer than its burst reads: half of each burst but the first's hidden
     assert replay.compute_seconds(moe, SLICES) / moe.n_layer > base.read_s / moe.n_layer
-    assert replay.cost(moe, slots, half, SLICES, lookahead=True).read_s == pytest.approx(base.read_s / 2)
-    # bursts read a thousand times slower than a layer computes: a layer that misses hides a layer's compute of
-    # its burst, no more
+    burst = base.read_s / moe.n_layer  # uniform routing: every layer's expected burst alike
+    assert moe.n_layer > 1 and all(len(layer) > 1 for layer in plain.shares)
+    assert replay.cost(moe, slots, half, SLICES, lookahead=True).read_s == \
+        pytest.approx(burst + (base.read_s - burst) / 2)
+    # bursts read a thousand times slower, each longer than a layer computes, every one predicted: the reads' time
+    # and one layer's compute (its attention before the first burst, its experts after the last)
     slow = dataclasses.replace(SLICES, expert_read_bw=0.6e6)
     layer_s = replay.compute_seconds(moe, slow) / moe.n_layer
-    missing = sum(1 - layer[0] for layer in plain.shares)  # the share of tokens a layer misses something, summed
-    saved = replay.cost(moe, slots, plain, slow).read_s - replay.cost(moe, slots, half, slow, lookahead=True).read_s
-    assert saved == pytest.approx(missing * layer_s)
+    every = dataclasses.replace(plain, recall=(1.0,) * moe.n_layer)
+    serial = replay.cost(moe, slots, plain, slow).read_s
+    assert serial / moe.n_layer > layer_s
+    assert replay.cost(moe, slots, every, slow, lookahead=True).read_s == \
+        pytest.approx(serial - (moe.n_layer - 1) * layer_s)
     planned = make_plan(moe, 64 << 20, "balanced", SLICES, slots=k, misses=lambda s, p="lru": dataclasses.replace(
         replay.Misses.uniform(moe, s), recall=(1.0,) * moe.n_layer))
     unplanned = make_plan(moe, 64 << 20, "balanced", SLICES, slots=k, lookahead=False,

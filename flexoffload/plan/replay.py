@@ -353,27 +353,50 @@ def cost(model: Model, slots: int, misses: Misses, profile: Profile, io_threads:
     """A decoded token's experts: the routed experts' compute, and the reads of the units it misses.
 
     The model of time: at each layer, the units a token misses are read as one burst (one request per unit and
-    *_exps tensor, io_threads in flight) that starts only once the layer's router has run, and the layer's experts
-    compute right after, so the burst overlaps nothing: its time (profile.expert_read_seconds: a latency plus its
-    bytes at the speed the profile measured for bursts of expert slices) adds to the token's. A layer that misses
-    nothing adds no read. With lookahead (patch 0029), the share of the burst the layer before predicted
-    (misses.recall) was read while that layer computed: up to one layer's compute of it is hidden. Not modelled:
-    reading up and down while gate computes, a wrong prediction's read and the expert it evicted, the page cache."""
+    *_exps tensor, io_threads in flight; its time profile.expert_read_seconds: a latency plus its bytes at the speed
+    the profile measured for bursts of expert slices). Without lookahead the burst starts once the layer's router
+    has run and the layer's experts compute right after, so it overlaps nothing and its time adds to the token's. A
+    layer that misses nothing adds no read. With lookahead (patch 0029) the layers are a pipeline over one disk
+    (_pipelined): the share of a layer's burst the layer before predicted (misses.recall) is queued at that layer's
+    router, so the disk reads it while that layer's experts and this layer's attention compute, and where reads
+    outlast compute the disk never idles and the token takes about its reads' time. Not modelled: reading up and
+    down while gate computes, a wrong prediction's read and the expert it evicted, the dense tensors' own streaming
+    on the same disk, the page cache."""
     sizes, reads = unit_bytes(model), unit_reads(model)
     if len(misses.shares) != model.n_layer:
         raise FlexoffloadError(f"misses of {len(misses.shares)} layers for {model.path.name}'s {model.n_layer}")
-    hides = lookahead and len(misses.recall) == model.n_layer
-    layer_s = compute_seconds(model, profile) / model.n_layer if hides else 0.0  # what a layer's compute can hide
-
-    def exposed(il: int, m: int) -> float:
-        t = profile.expert_read_seconds(m * sizes[il], m * reads[il], io_threads)
-        return t - min(layer_s, misses.recall[il] * t) if hides else t
-
-    read_s = sum(share * exposed(il, m) for il, layer in enumerate(misses.shares) for m, share in enumerate(layer)
-                 if m and share)
+    bursts = [sum(share * profile.expert_read_seconds(m * sizes[il], m * reads[il], io_threads)
+                  for m, share in enumerate(layer) if m and share) for il, layer in enumerate(misses.shares)]
+    if lookahead and len(misses.recall) == model.n_layer:
+        computed, experts = compute_seconds(model, profile), expert_seconds(model, profile)
+        n = model.n_layer
+        read_s = _pipelined(bursts, misses.recall, (computed - experts) / n, experts / n) - computed
+    else:
+        read_s = sum(bursts)
     per_layer = misses.per_layer()
     return Cost(slots, misses.hit_rate, sum(per_layer), sum(u * b for u, b in zip(per_layer, sizes)),
-                expert_seconds(model, profile), read_s)
+                expert_seconds(model, profile), max(read_s, 0.0))
+
+
+def _pipelined(bursts: list[float], recall: tuple[float, ...], dense_s: float, expert_s: float) -> float:
+    """A decoded token's time through the layers with lookahead, one disk reading in order what is queued: bursts,
+    each layer's expected read time; recall, the share of it the layer before predicted; dense_s and expert_s, a
+    layer's compute before its experts (attention, router) and theirs. At a layer's router its unpredicted misses
+    are queued, then the next layer's predicted ones; its experts compute once its own reads are done. Expected
+    times stand for each token's (the waits of a token that misses more are not averaged separately). The first
+    layer has no layer before it to predict it (nor has the next token's)."""
+    t = disk = 0.0
+    ready = 0.0  # when the layer's predicted reads, queued at the router before, are done
+    for il, burst in enumerate(bursts):
+        t += dense_s
+        own = burst * (1 - recall[il]) if il else burst
+        disk = max(disk, t) + own
+        done = disk if own > 0 else ready
+        if il + 1 < len(bursts):
+            disk += bursts[il + 1] * recall[il + 1]
+            ready = disk
+        t = max(t, done) + expert_s
+    return t
 
 
 @dataclass(frozen=True)
