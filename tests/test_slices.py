@@ -65,6 +65,30 @@ def test_a_model_too_large_for_memory_is_timed_on_a_slice_and_scaled(tmp_path, m
     assert sorted(p.name for p in tmp_path.iterdir() if p.is_file()) == ["m.gguf"]  # the slice removed
 
 
+def test_a_long_prompt_of_a_model_too_large_for_memory_is_timed_on_two_slices(tmp_path, monkeypatch):
+    """A slice's prompt "takes" 3 s plus 0.5 s a layer (a fake in place of the in-memory timing): two slices are
+    timed, their slope a layer's seconds, and the whole model's prompt is the deeper slice's plus a slope for each
+    layer below it; a file that fits is timed whole; the slices are gone afterwards."""
+    shape = dataclasses.replace(synth.SHAPES["llama-moe-tiny"], n_layer=8)
+    src = synth.write(tmp_path / "m.gguf", shape)
+    timed = []
+
+    def fake(path, n_threads, prompt, times=3):
+        depth = load(path).n_layer
+        timed.append(depth)
+        return 3.0 + 0.5 * depth
+
+    monkeypatch.setattr(profiler, "first_token_seconds", fake)
+    monkeypatch.setattr(profiler, "memory_bytes", lambda: int(1.2 * os.path.getsize(src)))
+    assert profiler.prompt_seconds(src, 2, "a b c") == pytest.approx(3.0 + 0.5 * shape.n_layer)
+    shallow, deep = timed
+    assert 1 <= shallow < deep < shape.n_layer  # two slices, neither the whole model
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf"]
+    monkeypatch.setattr(profiler, "memory_bytes", lambda: 10 * os.path.getsize(src))
+    assert profiler.prompt_seconds(src, 2, "a b c") == pytest.approx(3.0 + 0.5 * shape.n_layer)
+    assert timed[2:] == [shape.n_layer]
+
+
 def test_depths_fit_the_room_and_a_model_that_cannot_is_refused(tmp_path):
     m = load(synth.write(tmp_path / "m.gguf", synth.SHAPES["tiny"]))
     layer = sum(t.n_bytes for t in m.tensors if t.layer == 0)

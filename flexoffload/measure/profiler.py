@@ -332,6 +332,55 @@ def token_seconds(path: str | os.PathLike, n_threads: int, n_tokens: int, times:
     return statistics.median(medians)
 
 
+def prompt_seconds(path: str | os.PathLike, n_threads: int, prompt: str, times: int = SLICE_TIMINGS) -> float:
+    """A prompt's seconds to its first token with every weight in memory, computed in one ubatch; a file too large
+    to hold is timed by slices (sliced_prompt_seconds)."""
+    if os.path.getsize(path) > IN_MEMORY_SHARE * memory_bytes():
+        return sliced_prompt_seconds(path, n_threads, prompt, times)
+    return first_token_seconds(path, n_threads, prompt, times)
+
+
+def first_token_seconds(path: str | os.PathLike, n_threads: int, prompt: str, times: int = SLICE_TIMINGS) -> float:
+    """The prompt's first token with every weight of path in memory, in one ubatch: the median of `times`."""
+    from flexoffload.runtime import engine
+
+    n = engine.count_tokens(str(path), prompt)
+    warm_page_cache(path)
+    settings = engine.Settings(n_ctx=n + 16, n_batch=n, n_ubatch=n, n_threads=n_threads, temp=0.0)
+    with engine.Engine(path, settings) as eng:
+        eng.generate("def main():", 1)  # warm up the graph and thread pool
+        return statistics.median(eng.generate(prompt, 1).ttft_s for _ in range(times))
+
+
+def sliced_prompt_seconds(path: str | os.PathLike, n_threads: int, prompt: str, times: int = SLICE_TIMINGS) -> float:
+    """prompt_seconds for a model too large to hold: the prompt timed on two slices of its first layers (gguf/
+    slices.py), a layer's seconds their slope, the rest added once. A long prompt's pass takes seconds a layer, so the
+    slope's error is a timing's small share of it (a decoded token's is not: sliced_speed). The slices' layers route
+    the prompt as the whole model's first layers do; the deeper ones are taken to cost what they cost on average."""
+    import tempfile
+
+    from flexoffload.gguf import slices
+    from flexoffload.gguf.model import load
+
+    model = load(path)
+    disk = shutil.disk_usage(model.path.parent).free - (1 << 30)
+    try:
+        shallow, deep = slices.depths(model, min(int(IN_MEMORY_SHARE * memory_bytes()), disk))
+    except ValueError as e:
+        raise FlexoffloadError(f"{model.path.name}: {e} (half the memory, or the disk's free space beside the file): "
+                               "its prompt's compute cannot be measured here") from None
+    seconds = {}
+    with tempfile.TemporaryDirectory(prefix="flexoffload-slices-", dir=model.path.parent) as tmp:
+        for depth in (shallow, deep):
+            part = slices.write(model.path, Path(tmp) / f"{depth}.gguf", depth)
+            seconds[depth] = first_token_seconds(part, n_threads, prompt, times)
+            part.unlink()
+    layer = (seconds[deep] - seconds[shallow]) / (deep - shallow)
+    log.info("%s's prompt timed on slices of %d and %d layers in memory: %.1f and %.1f s, %.2f s a layer",
+             model.path.name, shallow, deep, seconds[shallow], seconds[deep], layer)
+    return seconds[deep] + layer * (model.n_layer - deep)
+
+
 def _cache_path(model: Model, n_threads: int) -> Path:
     # v2: the disk read as the runtime reads it (pass_requests), not one cold sequential read; v3: into huge pages;
     # v4: a tied output's matmul counted in the calibration; v5: a MoE's routed experts counted; v6: a MoE's expert
