@@ -89,3 +89,15 @@ def test_prompt_len_with_o_writes_the_plan_of_a_prompt_that_long(models, tmp_pat
     assert count_tokens(flags[1], decided["request"]["prompt"]) == 400
     prepared = api.prepare(request_from_args([*flags, "-p", decided["request"]["prompt"]]))
     assert prepared.settings.n_ubatch > 1 and decided["settings"]["n_ubatch"] == prepared.settings.n_ubatch
+
+
+def test_plan_without_o_prints_the_plan_and_writes_nothing(models, tmp_path, private_cache):
+    """`plan` without -o describes the plan run would run (the same prediction as the one written with -o) and
+    writes no file; with --json, the plan's JSON."""
+    set_profile(models["dense"], 2, 200.0, disk_bw=2e8)
+    flags = [*_case("dense", models), *SETTING[:6]]
+    made = cli("plan", *flags, "-o", str(tmp_path / "plan"), "--json", check=True)
+    shown = cli("plan", *flags, check=True)
+    assert "not written" in shown.stdout and "predicted" in shown.stdout
+    assert json.loads(cli("plan", *flags, "--json", check=True).stdout) == json.loads(made.stdout)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plan", "private-cache"]

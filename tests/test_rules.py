@@ -48,7 +48,6 @@ CLI_OWN = {
     ("plan.py", "{format_size(budget)} holds no prompt of "): "a measured fit (the dry run's minimum)",
     ("plan.py", "--prompt-len {prompt_len}: between 1 and the trained"): "--prompt-len is plan's own flag",
     ("plan.py", "--prompt-len {n}: no text of "): "the tokenizer found no text of that length",
-    ("plan.py", "plan writes its files to -o DIR"): "-o is plan's own flag",
     ("serve.py", "-np must be at least 1 and --queue at least 0"): "-np and --queue: serve's own flags",
     ("serve.py", "--port must be between 0 and 65535"): "--port: serve's own flag",
     ("models.py", "unknown model '{name}'"): "models fetch's argument",

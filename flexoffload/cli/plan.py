@@ -69,11 +69,16 @@ by measure/dryrun.py)."""
                    f"{peaks}{fits}")
 
 
+def _written(out_dir) -> str:
+    """Where the plan was written: plan without -o prints it and writes nothing."""
+    return f", written to {out_dir}" if out_dir is not None else " (not written: -o DIR writes it for run --plan)"
+
+
 def _describe_placement(model, p, out_dir) -> None:
     """`plan --rpc`: weights placed across the servers' devices, the host's share planned under its budget."""
     at = p.placement
     cost = at.cost
-    click.echo(f"{model.path.name}: {at.policy} placement, written to {out_dir} (llama.cpp: "
+    click.echo(f"{model.path.name}: {at.policy} placement{_written(out_dir)} (llama.cpp: "
                f"{' '.join(at.llama_args())} -ot tensors.ot)")
     click.echo(f"  this machine: resident {p.memory.resident / MiB:.0f} MiB, streamed "
                f"{plans.streamed_bytes(p, model) / MiB:.0f} MiB a token, {p.memory.total / MiB:.0f} of "
@@ -98,7 +103,8 @@ def _describe_precision(model, p, out_dir) -> None:
         click.echo(f"  measured: KL divergence {q['kld']:.4f} (calibration), {q['held_out_kld']:.4f} (held out); "
                    f"held-out perplexity {q['held_out_ppl']:.3f} vs {q['held_out_ppl_base']:.3f}; UQEst "
                    f"{q['uqest']:.3f} vs {q['uqest_base']:.3f}")
-    click.echo(f"  plan written to {out_dir}: run it with flexoffload run --plan {out_dir}")
+    if out_dir is not None:
+        click.echo(f"  plan written to {out_dir}: run it with flexoffload run --plan {out_dir}")
 
 
 def _prompt_of(model, n: int) -> str:
@@ -144,8 +150,6 @@ def plan(out_dir, max_prompt, prompt_len, as_json, prompt_file, **params):
         r = replace(r, prompt=_prompt_of(model, prompt_len),
                     n_ctx=max(r.n_ctx, stepmem.cells_for(prompt_len + max(r.n_predict, 1))))
         as_json = False  # the table was the output
-    if out_dir is None:
-        raise FlexoffloadError("plan writes its files to -o DIR")
     if r.precision and r.original:
         from flexoffload.measure import requantize
 
@@ -154,7 +158,8 @@ def plan(out_dir, max_prompt, prompt_len, as_json, prompt_file, **params):
     api.tell(prepared.notes)
     if prepared.plan is not None and prepared.plan.precision is not None:  # its quality, measured once written
         prepared = replace(prepared, plan=precision.with_quality(prepared.plan, r.n_threads))
-    prepared.write(out_dir)
+    if out_dir is not None:
+        prepared.write(out_dir)
     p = prepared.plan or prepared.mmap_plan
     if as_json:
         extra = {"walk": list(p.precision.walk)} if p.precision is not None else {}
@@ -168,11 +173,11 @@ def plan(out_dir, max_prompt, prompt_len, as_json, prompt_file, **params):
         return
     if p.policy == candidates.MMAP:
         click.echo(f"{model.path.name}: at {format_size(p.budget)} run runs upstream mmap (the page cache holds what "
-                   f"a token reads), written to {out_dir} (--strategy stream plans streaming)")
+                   f"a token reads){_written(out_dir)} (--strategy stream plans streaming)")
         return
     m = p.memory
     streamed = plans.streamed_bytes(p, model)
-    click.echo(f"{model.path.name}: {p.policy} plan for {format_size(p.budget)}, written to {out_dir}")
+    click.echo(f"{model.path.name}: {p.policy} plan for {format_size(p.budget)}{_written(out_dir)}")
     click.echo(f"  resident {m.resident / MiB:.0f} MiB ({len(p.resident)} tensors); streamed {streamed / MiB:.0f} MiB "
                f"per token ({len(p.streamed)} tensors) through a window of {p.window} ({m.window / MiB:.0f} MiB)")
     click.echo(f"  KV cache {m.kv_cache / MiB:.0f} MiB, compute buffers {m.compute / MiB:.0f} MiB, "
