@@ -97,3 +97,27 @@ def test_depths_fit_the_room_and_a_model_that_cannot_is_refused(tmp_path):
     assert slices.depths(m, rest + 10 * layer) == (m.n_layer // 2, m.n_layer)
     with pytest.raises(ValueError, match="not even two"):
         slices.depths(m, rest + layer)
+
+
+def test_prefill_rates_of_a_model_too_large_for_memory_come_from_two_slices(tmp_path, monkeypatch, private_cache):
+    """A pass of u tokens "takes" u * (1 ms + 0.25 ms a layer) on a slice (a fake in place of the in-memory
+    timing): the rates of a file over half the memory are timed on two slices and scaled to every layer, exactly
+    for passes that grow with the layers so; the slices are gone afterwards, the rates cached."""
+    from flexoffload.measure import ubatches
+
+    shape = dataclasses.replace(synth.SHAPES["llama-moe-tiny"], n_layer=8)
+    src = synth.write(tmp_path / "m.gguf", shape)
+    timed = []
+
+    def fake(path, sizes, n_threads):
+        depth = load(path).n_layer
+        timed.append(depth)
+        return {u: u * (1e-3 + 0.25e-3 * depth) for u in sizes}
+
+    monkeypatch.setattr(ubatches, "_timed", fake)
+    monkeypatch.setattr(profiler, "memory_bytes", lambda: int(1.2 * os.path.getsize(src)))
+    rates = ubatches.rates(load(src), 2, up_to=128)
+    assert len(timed) == 2 and max(timed) < shape.n_layer
+    assert rates and all(r == pytest.approx(u * (1e-3 + 0.25e-3 * shape.n_layer)) for u, r in rates.items())
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name != "private-cache") == ["m.gguf"]
+    assert ubatches.rates(load(src), 2, up_to=128) == rates and len(timed) == 2  # cached

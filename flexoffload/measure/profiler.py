@@ -298,12 +298,7 @@ def sliced_speed(path: str | os.PathLike, n_threads: int, n_tokens: int = 24) ->
     from flexoffload.gguf.model import load
 
     model = load(path)
-    disk = shutil.disk_usage(model.path.parent).free - (1 << 30)  # the slice on disk beside it, a GiB to spare
-    try:
-        _, deep = slices.depths(model, min(int(IN_MEMORY_SHARE * memory_bytes()), disk))
-    except ValueError as e:  # in half the memory, or on the disk beside the file
-        raise FlexoffloadError(f"{model.path.name}: {e} (half the memory, or the disk's free space beside the file): "
-                               "its compute cannot be measured here") from None
+    _, deep = _depths(model)
     log.info("%s is larger than half this machine's memory: its compute is timed on its first %d layers (a slice "
              "written beside it, then removed) and scaled by the bytes a token reads", model.path.name, deep)
     with tempfile.TemporaryDirectory(prefix="flexoffload-slices-", dir=model.path.parent) as tmp:
@@ -353,32 +348,48 @@ def first_token_seconds(path: str | os.PathLike, n_threads: int, prompt: str, ti
 
 
 def sliced_prompt_seconds(path: str | os.PathLike, n_threads: int, prompt: str, times: int = SLICE_TIMINGS) -> float:
-    """prompt_seconds for a model too large to hold: the prompt timed on two slices of its first layers (gguf/
-    slices.py), a layer's seconds their slope, the rest added once. A long prompt's pass takes seconds a layer, so the
-    slope's error is a timing's small share of it (a decoded token's is not: sliced_speed). The slices' layers route
-    the prompt as the whole model's first layers do; the deeper ones are taken to cost what they cost on average."""
-    import tempfile
-
-    from flexoffload.gguf import slices
+    """prompt_seconds for a model too large to hold: the prompt timed on two slices of its first layers
+    (on_two_slices), a layer's seconds their slope, the rest added once. A long prompt's pass takes seconds a layer,
+    so the slope's error is a timing's small share of it (a decoded token's is not: sliced_speed). The slices'
+    layers route the prompt as the whole model's first layers do; the deeper ones are taken to cost the same."""
     from flexoffload.gguf.model import load
 
     model = load(path)
+    (shallow, low), (deep, high) = on_two_slices(model, lambda p: first_token_seconds(p, n_threads, prompt, times))
+    layer = max(high - low, 0.0) / (deep - shallow)
+    log.info("%s's prompt timed on slices of %d and %d layers in memory: %.1f and %.1f s, %.2f s a layer",
+             model.path.name, shallow, deep, low, high, layer)
+    return high + layer * (model.n_layer - deep)
+
+
+def _depths(model: Model) -> tuple[int, int]:
+    """The depths of two slices of model's first layers (gguf/slices.depths) in half the memory and on the disk
+    beside the file, a GiB to spare."""
+    from flexoffload.gguf import slices
+
     disk = shutil.disk_usage(model.path.parent).free - (1 << 30)
     try:
-        shallow, deep = slices.depths(model, min(int(IN_MEMORY_SHARE * memory_bytes()), disk))
-    except ValueError as e:
+        return slices.depths(model, min(int(IN_MEMORY_SHARE * memory_bytes()), disk))
+    except ValueError as e:  # in half the memory, or on the disk beside the file
         raise FlexoffloadError(f"{model.path.name}: {e} (half the memory, or the disk's free space beside the file): "
-                               "its prompt's compute cannot be measured here") from None
-    seconds = {}
+                               "it cannot be timed in memory here") from None
+
+
+def on_two_slices(model: Model, timed):
+    """timed(path) of two slices of model's first layers (gguf/slices.py: the deeper as deep as half the memory, and
+    the disk beside the file, hold; the other about half as deep), each written beside the file and removed after:
+    ((shallow, its result), (deep, its result))."""
+    import tempfile
+
+    from flexoffload.gguf import slices
+
+    out = []
     with tempfile.TemporaryDirectory(prefix="flexoffload-slices-", dir=model.path.parent) as tmp:
-        for depth in (shallow, deep):
+        for depth in _depths(model):
             part = slices.write(model.path, Path(tmp) / f"{depth}.gguf", depth)
-            seconds[depth] = first_token_seconds(part, n_threads, prompt, times)
+            out.append((depth, timed(part)))
             part.unlink()
-    layer = (seconds[deep] - seconds[shallow]) / (deep - shallow)
-    log.info("%s's prompt timed on slices of %d and %d layers in memory: %.1f and %.1f s, %.2f s a layer",
-             model.path.name, shallow, deep, seconds[shallow], seconds[deep], layer)
-    return seconds[deep] + layer * (model.n_layer - deep)
+    return tuple(out)
 
 
 def _cache_path(model: Model, n_threads: int) -> Path:

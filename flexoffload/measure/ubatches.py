@@ -25,9 +25,9 @@ def rates(model: Model, n_threads: int, remeasure: bool = False, up_to: int | No
     of the largest ubatch timed, warm, the best of two passes at each size. up_to: only the sizes up to the least
     ubatch that holds up_to tokens are needed (those missing from the cache timed and added to it); None: all.
     A large model's first use then times the passes its prompt can take, not 2048-token ones (a 17 GB MoE: about
-    a quarter of the tokens for a 512-token prompt)."""
-    from flexoffload.measure.profiler import warm_page_cache
-    from flexoffload.runtime import engine
+    a quarter of the tokens for a 512-token prompt). A file over half the memory is timed on two slices of its
+    first layers, a layer's seconds their slope (_sliced): in memory whole it would thrash."""
+    from flexoffload.measure.profiler import IN_MEMORY_SHARE, memory_bytes
 
     path = cache_dir() / "profiles" / f"{file_key(model.path)}-t{n_threads}-prefill-v1.json"
     known = {} if remeasure or not path.exists() else {int(k): v for k, v in json.loads(path.read_text()).items()}
@@ -35,18 +35,33 @@ def rates(model: Model, n_threads: int, remeasure: bool = False, up_to: int | No
     missing = [u for u in UBATCHES if u <= top and u not in known]
     if not missing:
         return known
-    log.info("timing a prefill pass of %s at each ubatch, %d to %d tokens (once, cached): the file read into the "
-             "page cache first (%.1f GB), then %d prefill tokens; it says how long to go as it goes",
-             model.path.name, min(missing), max(missing), model.file_size / 1e9, 2 * sum(missing))
-    warm_page_cache(model.path)
-    progress = Progress(log, "prefill timing", 2 * sum(missing), "tokens")
-    settings = engine.Settings(n_ctx=max(missing) + 64, n_batch=max(missing), n_ubatch=max(missing),
+    sliced = model.file_size > IN_MEMORY_SHARE * memory_bytes()
+    log.info("timing a prefill pass of %s at each ubatch, %d to %d tokens (once, cached): %s, then %d prefill "
+             "tokens%s; it says how long to go as it goes", model.path.name, min(missing), max(missing),
+             "two slices of its first layers written beside it, each read into the page cache" if sliced else
+             f"the file read into the page cache first ({model.file_size / 1e9:.1f} GB)",
+             2 * sum(missing) * (2 if sliced else 1), " a slice" if sliced else "")
+    out = dict(known)
+    out.update(_sliced(model, missing, n_threads) if sliced else _timed(model.path, missing, n_threads))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({str(u): out[u] for u in sorted(out)}))
+    return out
+
+
+def _timed(path, sizes: list[int], n_threads: int) -> dict[int, float]:
+    """A pass of each of sizes tokens with the file at path in memory: the best of two, warm."""
+    from flexoffload.measure.profiler import warm_page_cache
+    from flexoffload.runtime import engine
+
+    warm_page_cache(path)
+    progress = Progress(log, "prefill timing", 2 * sum(sizes), "tokens")
+    settings = engine.Settings(n_ctx=max(sizes) + 64, n_batch=max(sizes), n_ubatch=max(sizes),
                                n_threads=n_threads, temp=0.0, flash_attn="on")
-    out, done = dict(known), 0
-    with engine.Engine(str(model.path), settings) as eng:
+    out, done = {}, 0
+    with engine.Engine(str(path), settings) as eng:
         lib = eng.lib
         n_vocab = lib.llama_vocab_n_tokens(eng.vocab)
-        for u in missing:
+        for u in sizes:
             tokens = [(7 * i + 11) % n_vocab for i in range(u)]
             best = None
             for _ in range(2):
@@ -58,9 +73,20 @@ def rates(model: Model, n_threads: int, remeasure: bool = False, up_to: int | No
                 done += u
                 progress(done)
             out[u] = best
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({str(u): out[u] for u in sorted(out)}))
     return out
+
+
+def _sliced(model: Model, sizes: list[int], n_threads: int) -> dict[int, float]:
+    """_timed for a model too large to hold: each size timed on two slices of its first layers
+    (profiler.on_two_slices). A layer's share of the deeper slice's pass is their slope at the largest size (a pass
+    of seconds a layer: a short pass's slope is mostly noise), taken as the same at every size; the rest of the
+    layers are added at it to each size's pass on the deeper slice (which says how a batch's size pays)."""
+    from flexoffload.measure.profiler import on_two_slices
+
+    (shallow, low), (deep, high) = on_two_slices(model, lambda part: _timed(part, sizes, n_threads))
+    top = max(sizes)
+    share = max(high[top] - low[top], 0.0) / (deep - shallow) / high[top]  # a layer's, of the deeper slice's pass
+    return {u: high[u] * (1 + share * (model.n_layer - deep)) for u in sizes}
 
 
 def candidates(model: Model, budget: int, n_prompt: int, n_ctx: int, type_k: str = "f16", type_v: str = "f16",
