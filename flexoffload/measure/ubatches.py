@@ -26,7 +26,7 @@ def rates(model: Model, n_threads: int, remeasure: bool = False, up_to: int | No
     ubatch that holds up_to tokens are needed (those missing from the cache timed and added to it); None: all.
     A large model's first use then times the passes its prompt can take, not 2048-token ones (a 17 GB MoE: about
     a quarter of the tokens for a 512-token prompt). A file over half the memory is timed on two slices of its
-    first layers, a layer's seconds their slope (_sliced): in memory whole it would thrash."""
+    first layers, scaled by a layer's share of a pass (_sliced): in memory whole it would thrash."""
     from flexoffload.measure.profiler import IN_MEMORY_SHARE, memory_bytes
 
     path = cache_dir() / "profiles" / f"{file_key(model.path)}-t{n_threads}-prefill-v1.json"
@@ -40,7 +40,7 @@ def rates(model: Model, n_threads: int, remeasure: bool = False, up_to: int | No
              "tokens%s; it says how long to go as it goes", model.path.name, min(missing), max(missing),
              "two slices of its first layers written beside it, each read into the page cache" if sliced else
              f"the file read into the page cache first ({model.file_size / 1e9:.1f} GB)",
-             2 * sum(missing) * (2 if sliced else 1), " a slice" if sliced else "")
+             2 * sum(missing), " on each" if sliced else "")
     out = dict(known)
     out.update(_sliced(model, missing, n_threads) if sliced else _timed(model.path, missing, n_threads))
     path.parent.mkdir(parents=True, exist_ok=True)
