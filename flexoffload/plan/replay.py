@@ -352,41 +352,33 @@ def cost(model: Model, slots: int, misses: Misses, profile: Profile, io_threads:
          lookahead: bool = False) -> Cost:
     """A decoded token's experts: the routed experts' compute, and the reads of the units it misses.
 
-    The model of time: at each layer, the units a token misses are read as one burst (one request per unit and
-    *_exps tensor, io_threads in flight; its time profile.expert_read_seconds: a latency plus its bytes at the speed
-    the profile measured for bursts of expert slices). Without lookahead the burst starts once the layer's router
-    has run and the layer's experts compute right after, so it overlaps nothing and its time adds to the token's. A
-    layer that misses nothing adds no read. With lookahead (patch 0029) the layers are a pipeline over one disk
-    (_pipelined): the share of a layer's burst the layer before predicted (misses.recall) is queued at that layer's
-    router, so the disk reads it while that layer's experts and this layer's attention compute, and where reads
-    outlast compute the disk never idles and the token takes about its reads' time. Not modelled: reading up and
-    down while gate computes, a wrong prediction's read and the expert it evicted, the dense tensors' own streaming
-    on the same disk, the page cache."""
+    At each layer the units a token misses are read as one burst (a request per unit and *_exps tensor, io_threads
+    in flight; profile.expert_read_seconds: a latency plus its bytes at the profile's rate for bursts of expert
+    slices). Without lookahead a burst starts once the layer's router has run and its experts compute right after:
+    it overlaps nothing. With lookahead (patch 0029) the layers are a pipeline over one disk (_pipelined). Not
+    modelled: up and down read while gate computes, a wrong prediction's read and the expert it evicted, the dense
+    tensors' own streaming on the same disk, the page cache."""
     sizes, reads = unit_bytes(model), unit_reads(model)
     if len(misses.shares) != model.n_layer:
         raise FlexoffloadError(f"misses of {len(misses.shares)} layers for {model.path.name}'s {model.n_layer}")
     bursts = [sum(share * profile.expert_read_seconds(m * sizes[il], m * reads[il], io_threads)
                   for m, share in enumerate(layer) if m and share) for il, layer in enumerate(misses.shares)]
-    if lookahead and len(misses.recall) == model.n_layer:
-        computed, experts = compute_seconds(model, profile), expert_seconds(model, profile)
-        n = model.n_layer
+    read_s = sum(bursts)
+    if lookahead and len(misses.recall) == model.n_layer:  # what the pipeline adds to the token's compute
+        computed, experts, n = compute_seconds(model, profile), expert_seconds(model, profile), model.n_layer
         read_s = _pipelined(bursts, misses.recall, (computed - experts) / n, experts / n) - computed
-    else:
-        read_s = sum(bursts)
     per_layer = misses.per_layer()
     return Cost(slots, misses.hit_rate, sum(per_layer), sum(u * b for u, b in zip(per_layer, sizes)),
                 expert_seconds(model, profile), max(read_s, 0.0))
 
 
 def _pipelined(bursts: list[float], recall: tuple[float, ...], dense_s: float, expert_s: float) -> float:
-    """A decoded token's time through the layers with lookahead, one disk reading in order what is queued: bursts,
-    each layer's expected read time; recall, the share of it the layer before predicted; dense_s and expert_s, a
-    layer's compute before its experts (attention, router) and theirs. At a layer's router its unpredicted misses
-    are queued, then the next layer's predicted ones; its experts compute once its own reads are done. Expected
-    times stand for each token's (the waits of a token that misses more are not averaged separately). The first
-    layer has no layer before it to predict it (nor has the next token's)."""
-    t = disk = 0.0
-    ready = 0.0  # when the layer's predicted reads, queued at the router before, are done
+    """A decoded token's time through the layers with lookahead, one disk reading in turn what is queued. bursts: a
+    layer's expected read time; recall: the share of it the layer before predicts, queued at that layer's router
+    after its own unpredicted misses; dense_s, expert_s: a layer's compute before its experts, and theirs, which
+    wait for its reads. Where reads outlast compute the disk never idles. Expected times stand for each token's;
+    the first layer is predicted by none (nor is the next token's)."""
+    t = disk = ready = 0.0  # ready: when the layer's predicted reads, queued at the router before, are done
     for il, burst in enumerate(bursts):
         t += dense_s
         own = burst * (1 - recall[il]) if il else burst
