@@ -4,7 +4,9 @@ tokens equal to the reference, or is refused in one line by a documented rule (d
 llama-completion on the file the run ran, with the same context settings; for a conversation, the same
 conversation by that file alone (no budget, no speculation). Tiny synthetic models, random weights; the budget's
 dense model has FFN matrices over the 1 MiB that always stays resident, and its budget a few MiB over the least the
-pair's command takes, so that its plan streams them and the run reads them from disk.
+pair's command takes, so that its plan streams them and every pair with the budget that runs reads them from disk:
+with --sparsity its level's groups, with --precision auto the lowered file's, with --rpc what neither this machine's
+budget nor the server's holds.
 
 With FLEXOFFLOAD_MATRIX=FILE the matrix is written there as a markdown table (scripts/options_doc --matrix FILE
 puts it into docs/options.md)."""
@@ -27,6 +29,7 @@ from test_equality import llama_completion
 from flexoffload import rules
 from flexoffload.bench import machines
 from flexoffload.gguf import synth
+from flexoffload.gguf.model import load
 
 FEATURES = ("budget", "md", "free", "ub-fa-kv", "cnv", "moe", "plan", "rpc", "precision", "sparsity", "serve")
 PROMPT = "a b c d a b c d a b"  # repeats: n-grams find drafts
@@ -43,6 +46,20 @@ STREAMED = dataclasses.replace(DENSE, n_embd=1024, n_ff=2816)
 STREAMED_MOE = dataclasses.replace(MOE, n_embd=1024, n_ff_expert=512)
 # the budget of a pair with "budget": this over the least its command takes, less than what the streamed models stream
 STREAM_MARGIN_MIB = 4
+# budget + precision's own streamed model: --precision auto measures each group of tensors at each lower type first
+# (a requantized file's KL divergence and UQEst each: 10-25 s on a busy 2 cores, small model or not), 48 on STREAMED
+# (8 kinds, 3 layer groups, Q3_K and Q2_K: minutes). This one's width, 1088, is no multiple of the K-quants' 256, so
+# only ffn_down (rows of n_ff) can take a type below Q4_0: 4 measurements over its 2 layers. Its FFN of 4096 keeps
+# gate and up at 2.5 MB, streamed whatever the walk lowers (ffn_down at Q2_K is 1.5 MB, streamable too); heads of 136.
+STREAMED_PRECISION = dataclasses.replace(STREAMED, n_layer=2, n_embd=1088, n_ff=4096, n_head=8)
+# and its budget over the least of the file it is given (the file the walk writes is smaller: it fits); 2 layers leave
+# less to stream than 3 (its plan, ffn_down at Q2_K, streamed 9.6, 7.6 and 2.8 MiB at 0, 2 and 4 MiB over the least)
+PRECISION_MARGIN_MIB = 2
+# budget + rpc: the server's budget (--mem cpu=...,rpc0=12M), by --placement layers its trailing layers that fit: one of
+# STREAMED's 6 MiB layers (8 MiB hold none, 16 two), so this machine streams what neither holds. The server's own 512
+# MiB would hold the whole model, nothing streamed; a server in a cgroup of 12 MiB (a budget of about 10 MiB by
+# placers.device_budget) was killed while its device profile ran (which peaked at 18 MiB on a server given 10 MiB)
+SERVER_BUDGET_MIB = 12
 # refusals that depend on the model rather than on the flags (said where the model is read)
 MODEL_RULES = {"predicted neurons are built for a dense": "predicted neurons are groups of a dense FFN's "
                "neurons; a mixture of experts has no dense FFN to group"}
@@ -73,10 +90,14 @@ def models(module_cache, tmp_path_factory):
     paths = {"dense": synth.write(d / "dense.gguf", DENSE, output_scale=4.0), "moe": synth.write(d / "moe.gguf", MOE),
              "draft": synth.write(d / "draft.gguf", DRAFT, seed=1),
              "streamed": synth.write(d / "streamed.gguf", STREAMED, output_scale=4.0),
-             "streamed-moe": synth.write(d / "streamed-moe.gguf", STREAMED_MOE)}
-    # predicted neurons, measured once for the dense model (as test_sparsity.py does)
-    cli("profile", "-m", str(paths["dense"]), "--neurons", "--neuron-groups", "6", "--levels", "4,6", "-t", "2",
-        check=True)
+             "streamed-moe": synth.write(d / "streamed-moe.gguf", STREAMED_MOE),
+             "streamed-precision": synth.write(d / "streamed-precision.gguf", STREAMED_PRECISION, output_scale=4.0)}
+    # predicted neurons, measured once for the dense model (as test_sparsity.py does) and for the streamed one (budget
+    # + sparsity: 6 groups of 352 neurons, a layer's group tensors of 1.2 MB and 2.3 MB (Q8_0 down), which a plan
+    # streams)
+    for name, levels in (("dense", "4,6"), ("streamed", "4")):  # the streamed one's --sparsity 4 alone
+        cli("profile", "-m", str(paths[name]), "--neurons", "--neuron-groups", "6", "--levels", levels, "-t", "2",
+            check=True)
     return paths
 
 
@@ -89,11 +110,10 @@ def endpoint():
 
 def _flags(features: tuple[str, ...], models, endpoint) -> tuple[list[str], dict]:
     """The command line of a pair of features (run's flags; how it runs in `how`)."""
-    # the budget's own models where it is a feature, but with --sparsity and --precision auto (both measure the
-    # model they are given: NOT_STREAMED)
+    # the budget's own models where it is a feature (--precision auto's: STREAMED_PRECISION)
     model = "moe" if "moe" in features else "dense"
-    if "budget" in features and not {"sparsity", "precision"} & set(features):
-        model = "streamed-moe" if model == "moe" else "streamed"
+    if "budget" in features:
+        model = "streamed-moe" if model == "moe" else "streamed-precision" if "precision" in features else "streamed"
     how = {"model": models[model], "chat": "cnv" in features, "plan": "plan" in features,
            "serve": "serve" in features}
     flags = {"-c": "256", "-b": "32", "-t": "2"}
@@ -109,6 +129,8 @@ def _flags(features: tuple[str, ...], models, endpoint) -> tuple[list[str], dict
         flags.update({"-ub": "16", "-fa": "on", "-ctk": "q8_0", "-ctv": "q8_0"})
     if "rpc" in features:
         flags.update({"--rpc": endpoint, "-ngl": "1"})
+        if "budget" in features:  # the trailing layers the server's budget holds (auto may place none there)
+            flags["--placement"] = "layers"
     if "precision" in features:
         flags.update({"--precision": "auto", "--max-kld": "0.5"})
     if "sparsity" in features:
@@ -199,7 +221,7 @@ def test_a_pair_runs_as_the_reference_or_is_refused_by_a_rule(a, b, models, requ
     why = want.removeprefix("refused: ")
     assert got == want if want == "equal" else (got.startswith("refused: ") and why in got), \
         f"{a} + {b}: {got}, expected {want}"
-    if "budget" in (a, b) and got == "equal" and (a, b) not in NOT_STREAMED:
+    if "budget" in (a, b) and got == "equal":
         assert READ[(a, b)] > 0, f"{a} + {b} ran under its budget, but read nothing from disk: nothing streamed"
 
 
@@ -216,9 +238,22 @@ def _least_mib(command: list[str]) -> int:
 
 def _streaming_budget(flags: list[str], how: dict, tmp_path) -> list[str]:
     """flags with --mem a few MiB over the least the pair's command takes with them: a budget the plan streams
-    under (checked by the bytes the run read)."""
+    under (checked by the bytes the run read). With --rpc, the host's (cpu=) beside the server's SERVER_BUDGET_MIB.
+    With --precision auto, the least of the file it is given (asked under 1 MiB, the walk finds no point that fits
+    and names no least)."""
     at = flags.index("--mem") + 1
-    probe = flags[:at] + ["1M"] + flags[at + 1:]
+    server = f",rpc0={SERVER_BUDGET_MIB}M" if "--rpc" in flags else ""
+
+    def mem(mib: int) -> str:
+        return f"cpu={mib}M{server}" if server else f"{mib}M"
+
+    probe = flags[:at] + [mem(1)] + flags[at + 1:]
+    margin = STREAM_MARGIN_MIB
+    if "--precision" in probe:
+        at_precision = probe.index("--precision")
+        assert probe[at_precision + 2] == "--max-kld"
+        probe = probe[:at_precision] + probe[at_precision + 4:]  # less --precision auto --max-kld X
+        margin = PRECISION_MARGIN_MIB
     model = ["-m", str(how["model"])]
     if how["plan"]:
         command = ["plan", *model, *probe, "-o", str(tmp_path / "least")]
@@ -228,33 +263,29 @@ def _streaming_budget(flags: list[str], how: dict, tmp_path) -> list[str]:
         command = ["run", "-cnv", *model, "-n", "6", *probe]
     else:
         command = ["run", *model, "-p", PROMPT, "-n", str(N), *probe]
+
+    def at_budget(mib: int) -> list[str]:
+        return [mem(mib) if x == mem(1) else x for x in command]
+
     least = _least_mib(command)
-    if "--rpc" in flags:  # the least under 1 MiB places more on the server than a larger budget does: asked again
-        again = subprocess.run([sys.executable, "-m", "flexoffload", *command[:command.index("1M")],
-                                f"{least + STREAM_MARGIN_MIB}M", *command[command.index("1M") + 1:]],
-                               capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+    if server:  # the least under 1 MiB places more on the server than a larger budget does: asked again
+        again = subprocess.run([sys.executable, "-m", "flexoffload", *at_budget(least + margin)], capture_output=True,
+                               text=True, timeout=300, stdin=subprocess.DEVNULL)
         if again.returncode != 0 and "the minimum is " in again.stderr:
-            least = _least_mib(command[:command.index("1M")] + [f"{least + STREAM_MARGIN_MIB}M"] +
-                               command[command.index("1M") + 1:])
-    return flags[:at] + [f"{least + STREAM_MARGIN_MIB}M"] + flags[at + 1:]
+            least = _least_mib(at_budget(least + margin))
+    return flags[:at] + [mem(least + margin)] + flags[at + 1:]
 
 
 # the streamed bytes a pair with "budget" read: run --json's stream_bytes_read (a mixture of experts' and a sparsity
 # level's by expert too), serve's disk reads per pass, a conversation's planned streamed MiB (its --json gives no
 # timings)
 READ: dict[tuple[str, str], float] = {}
-# pairs with "budget" that read nothing from disk, and why
-NOT_STREAMED = {("budget", "rpc"): "the plan places what this machine's budget does not hold on the server (-ngl), "
-                "so nothing streams", ("budget", "precision"): "the tiny dense model (measuring precision on the "
-                "streamed one takes minutes): held whole", ("budget", "sparsity"): "a level of the tiny dense "
-                "model (measuring the streamed one's neurons takes half a minute): its groups held whole; "
-                "test_sparsity streams a level's groups under a budget"}
 
 
 def _pair(a, b, models, request, tmp_path):
     flags, how = _flags((a, b), models, request.getfixturevalue("endpoint") if "rpc" in (a, b) else None)
     model = how["model"]
-    if "budget" in (a, b) and model in (models["streamed"], models["streamed-moe"]):
+    if "budget" in (a, b):
         flags = _streaming_budget(flags, how, tmp_path)
     if how["plan"]:
         made = cli("plan", "-m", str(model), *flags, "-o", str(tmp_path / "plan"))
@@ -292,6 +323,11 @@ def _pair(a, b, models, request, tmp_path):
     assert ("spec" in ran) == bool({"md", "free"} & {a, b})  # it speculated where asked, not elsewhere
     assert ran["text"] == _reference(ran["model"]["path"], flags)
     READ[(a, b)] = ran["timings"].get("stream_bytes_read", 0)
+    if "--precision" in flags and "budget" in (a, b):  # and the file run is the one the walk lowered
+        assert ran["plan"]["precision"]["types"], ran["plan"]
+    if "--rpc" in flags and "budget" in (a, b):  # and the server holds what this machine neither holds nor streams
+        host = (ran["plan"]["resident_mb"] + ran["plan"]["streamed_mb"]) * (1 << 20)
+        assert host < load(model).weight_bytes - (1 << 20), f"the server holds none of the weights: {ran['plan']}"
     RESULTS[(a, b)] = "equal"
 
 
