@@ -264,12 +264,18 @@ def memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+def too_large(n_bytes: int) -> bool:
+    """Whether a file of n_bytes is over the share of this machine's memory a timing with every weight in memory
+    may take (IN_MEMORY_SHARE): such a file is timed on slices of its first layers."""
+    return n_bytes > IN_MEMORY_SHARE * memory_bytes()
+
+
 def compute_speed(path: str | os.PathLike, n_threads: int, n_tokens: int = 24) -> float:
     """Decode tok/s with all weights in memory: the compute-bound ceiling. Warns where the machine was busy. A file
     too large to hold in memory is timed by slices (sliced_speed)."""
     from flexoffload.runtime import engine
 
-    if os.path.getsize(path) > IN_MEMORY_SHARE * memory_bytes():
+    if too_large(os.path.getsize(path)):
         return sliced_speed(path, n_threads, n_tokens)
     warm_page_cache(path)
     settings = engine.Settings(n_ctx=512, n_threads=n_threads, temp=0.0)
@@ -330,7 +336,7 @@ def token_seconds(path: str | os.PathLike, n_threads: int, n_tokens: int, times:
 def prompt_seconds(path: str | os.PathLike, n_threads: int, prompt: str, times: int = SLICE_TIMINGS) -> float:
     """A prompt's seconds to its first token with every weight in memory, computed in one ubatch; a file too large
     to hold is timed by slices (sliced_prompt_seconds)."""
-    if os.path.getsize(path) > IN_MEMORY_SHARE * memory_bytes():
+    if too_large(os.path.getsize(path)):
         return sliced_prompt_seconds(path, n_threads, prompt, times)
     return first_token_seconds(path, n_threads, prompt, times)
 
@@ -420,7 +426,7 @@ def as_measured(model: Model, n_threads: int, remeasure: bool = False) -> Profil
         d = json.loads(cached.read_text())
         return Profile.from_dict(d)
     timed = sum(n for _, n in pass_requests(model, 768 << 20))
-    sliced = model.file_size > IN_MEMORY_SHARE * memory_bytes()
+    sliced = too_large(model.file_size)
     log.info("measuring this machine's disk and compute for %s at -t %d (once, cached; `flexoffload profile "
              "-m %s` does it ahead): 3 reads of %.2f GB, %s%s, then 28 tokens decoded", model.path.name, n_threads,
              model.path, timed / 1e9, "3 s of expert reads, " if model.n_expert else "",

@@ -218,7 +218,7 @@ def trace(model: Model, text: str | list[int] | None = None, n_threads: int | No
              "read where it is not in memory); it says how long to go as it goes", max_tokens, model.path.name,
              model.path, model.file_size / 1e9)
     what = "HumanEval 0-39 with solutions" if default else "a text"
-    if computable(model) and model.file_size > profiler.IN_MEMORY_SHARE * profiler.memory_bytes():
+    if computable(model) and profiler.too_large(model.file_size):
         # a prompt through it under mmap would read the whole file a ubatch: its routing is worked out instead
         result = computed(model, text, max_tokens, source=f"{model.path.name}: {what}")
         write_atomic(path, json.dumps(result.to_dict()))

@@ -27,7 +27,7 @@ def rates(model: Model, n_threads: int, remeasure: bool = False, up_to: int | No
     A large model's first use then times the passes its prompt can take, not 2048-token ones (a 17 GB MoE: about
     a quarter of the tokens for a 512-token prompt). A file over half the memory is timed on two slices of its
     first layers, scaled by a layer's share of a pass (_sliced): in memory whole it would thrash."""
-    from flexoffload.measure.profiler import IN_MEMORY_SHARE, memory_bytes
+    from flexoffload.measure.profiler import too_large
 
     path = cache_dir() / "profiles" / f"{file_key(model.path)}-t{n_threads}-prefill-v1.json"
     known = {} if remeasure or not path.exists() else {int(k): v for k, v in json.loads(path.read_text()).items()}
@@ -35,7 +35,7 @@ def rates(model: Model, n_threads: int, remeasure: bool = False, up_to: int | No
     missing = [u for u in UBATCHES if u <= top and u not in known]
     if not missing:
         return known
-    sliced = model.file_size > IN_MEMORY_SHARE * memory_bytes()
+    sliced = too_large(model.file_size)
     log.info("timing a prefill pass of %s at each ubatch, %d to %d tokens (once, cached): %s, then %d prefill "
              "tokens%s; it says how long to go as it goes", model.path.name, min(missing), max(missing),
              "two slices of its first layers written beside it, each read into the page cache" if sliced else
