@@ -73,7 +73,20 @@ def test_only_runs_their_expert_reads_paced_count():
     assert f({k: v for k, v in _timings().items() if not k.startswith("expert")}) == 0  # a dense run
     # a prompt's batch read ahead: reads hidden under its compute, so over the run's time, a lower bound
     assert f(_timings(1e9, expert_ahead=40)) == pytest.approx(0.5e9)
-    assert f(_timings(1e9, expert_predicted=300)) == 0  # lookahead: no time is the reads' alone
+    assert f(_timings(1e9, expert_predicted=300)) == 0  # lookahead, no decode told apart: no time is the reads'
+
+
+def test_a_run_that_looks_ahead_records_what_its_decode_read_over_its_time():
+    """Lookahead hides reads under compute, so a run's waits are not its reads' time; where its decode waited on
+    reads for a fifth of its time or more, decode's bytes (after the first token) over decode's time are the rate
+    its reads met at least."""
+    f, n = diskrecord.expert_run_bw, 8 << 30
+    decode = dict(expert_predicted=300, stream_prompt_bytes_read=n - (4 << 30), stream_decode_s=2.0)
+    assert f(_timings(1e9, n_bytes=n, stream_prompt_stall_s=1.0, **decode)) == pytest.approx((4 << 30) / 2.0)
+    waits = n / 1e9  # _timings' stall: the prompt's 1.0 s of it leaves decode waiting nearly all its time
+    assert f(_timings(1e9, n_bytes=n, stream_prompt_stall_s=waits - 0.3, **decode)) == 0  # decode waited 15 %
+    assert f(_timings(1e9, n_bytes=n, stream_prompt_stall_s=1.0,
+                      **{**decode, "stream_prompt_bytes_read": n - 1000})) == 0  # too few bytes decoding
 
 
 def test_the_last_runs_are_kept_and_a_corrupt_record_is_ignored(moe, private_cache):

@@ -109,15 +109,16 @@ def test_a_moe_streamed_writes_llama_completion_s_greedy_text(name, reads, tmp_p
 
 # --- the runtime's accounting of expert reads ------------------------------------------------------------------------
 
-def _by_expert(path, slots: int, prompt: str = PROMPT, room: int = 0):
+def _by_expert(path, slots: int, prompt: str = PROMPT, room: int = 0, *more: str):
     """A streamed run of the file prepared near its least budget (and `room` bytes more), its experts read by
-    expert, `slots` of them a layer cached between tokens: (the Prepared, the Model)."""
+    expert, `slots` of them a layer cached between tokens, `more` flags after the others: (the Prepared, the
+    Model)."""
     m = load(path)
     set_profile(path, 2, TOK_S, disk_bw=m.weight_bytes * TOK_S / 4)
     budget = int(run_minimum(m, probe.measure(m, 256, 32)) * 1.02)  # room for embeddings and output: resident
     budget += 2 * (expertcache.memory(m, slots) - expertcache.memory(m, 0)) + room
     flags = ["-m", str(path), "--mem", str(budget), *SETTING, "--strategy", "stream", "--expert-reads", "routed",
-             "--expert-slots", str(slots), "--spec-type", "none", "-p", prompt, "-n", "16", "--temp", "0"]
+             "--expert-slots", str(slots), "--spec-type", "none", "-p", prompt, "-n", "16", "--temp", "0", *more]
     return api.prepare(request_from_args(flags)), m
 
 
@@ -136,6 +137,22 @@ def test_each_pass_reads_a_token_s_routed_experts_once_whatever_the_layers(n_lay
     assert t["stream_passes"] == decoded + 1 and t["expert_hit_rate"] == 0
     assert n_layer * (k * decoded + k) <= t["expert_uses"] <= n_layer * (k * decoded + m.n_expert)
     assert t["expert_bytes_read"] == t["expert_uses"] * unit
+
+
+def test_a_prompt_in_several_ubatches_reads_each_expert_once_a_ubatch(tmp_path, private_cache):
+    """A prompt of several batches of one ubatch each (passes): each pass reads each expert its tokens name at a layer once, for all of
+    the layer's expert ops (gate, up and down take the one read), and nothing else. With no expert kept between
+    passes (--expert-slots 0) and no token decoded (-n 1): the bytes read are the uses times one expert's slices,
+    and each pass uses between k and all of each layer's experts."""
+    shape = dataclasses.replace(synth.SHAPES["qwen3moe-tiny"], n_layer=2, **STREAMED["qwen3moe-tiny"])
+    path = synth.write(tmp_path / "moe.gguf", shape, seed=SEED["qwen3moe-tiny"], routing="text")
+    prepared, m = _by_expert(path, 0, " ".join(f"word{i} thing{i * 7}" for i in range(4)), 0, "-b", "8", "-n", "1")
+    r = api.run_in_cgroup(prepared, None, timeout=300)
+    t, passes = r["timings"], -(-r["n_prompt"] // 8)
+    assert passes >= 3 and t["stream_passes"] == passes
+    unit = sum(x.n_bytes for x in m.tensors if x.kind == "expert") // m.n_expert // m.n_layer
+    assert t["expert_hit_rate"] == 0 and t["expert_bytes_read"] == t["expert_uses"] * unit
+    assert passes * m.n_layer * m.n_expert_used <= t["expert_uses"] <= passes * m.n_layer * m.n_expert
 
 
 def test_the_expert_cache_peak_of_a_run_is_its_own_in_a_process_that_ran_others(tmp_path, private_cache):
@@ -231,6 +248,30 @@ def test_a_decoded_token_s_layer_reads_the_next_layer_s_predicted_experts(name, 
     assert a["expert_predicted"] <= decoded * (m.n_layer - 1) * m.n_expert_used  # a token's k, the last layer none
     assert a["expert_predicted_used"] >= 0.6 * a["expert_predicted"]
     assert a["expert_cached_peak"] <= planned.plan.memory.experts
+
+
+@pytest.mark.parametrize("name", ["qwen3moe-tiny", "gpt-oss-tiny"])  # softmax routers; top k of biased logits
+def test_a_layer_s_reads_are_queued_at_its_router_s_choice(name, tmp_path, private_cache):
+    """From the second pass on, a layer's experts not in memory are queued when its router's argsort is done
+    (llama.cpp's ffn_moe_argsort-<layer>), a few ops before its first expert op (patch 0031). Against the same
+    Prepared with that off (fresh processes; lookahead off in both, so every miss is the router's): the same tokens,
+    experts used and bytes read; experts queued at the router with it, none without, and those are every miss but
+    the prompt's pass's, which are queued at its expert ops (the layer is recognised there)."""
+    shape = dataclasses.replace(synth.SHAPES[name], n_layer=3, **STREAMED.get(name, {}))
+    path = synth.write(tmp_path / "moe.gguf", shape, seed=SEED.get(name, 0))
+    m = load(path)
+    planned, _ = _by_expert(path, m.n_expert_used + 2)
+    planned = dataclasses.replace(planned, settings=dataclasses.replace(planned.settings, expert_lookahead=False))
+    assert planned.settings.expert_router
+    off = dataclasses.replace(planned, settings=dataclasses.replace(planned.settings, expert_router=False))
+    routed, alone = (api.run_in_cgroup(p, None, timeout=300) for p in (planned, off))
+    assert routed["tokens"] == alone["tokens"]
+    a, b = routed["timings"], alone["timings"]
+    assert (a["expert_uses"], a["expert_bytes_read"]) == (b["expert_uses"], b["expert_bytes_read"])
+    misses = round(a["expert_uses"] * (1 - a["expert_hit_rate"]))
+    first = m.n_layer * min(m.n_expert, m.n_expert_used * routed["n_prompt"])  # the prompt pass's misses at most
+    assert b["expert_routed"] == 0 and 0 < a["expert_routed"] <= misses
+    assert a["expert_routed"] >= misses - first
 
 
 def test_a_layer_whose_predictions_its_router_does_not_choose_stops_predicting(tmp_path, private_cache):

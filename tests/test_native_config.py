@@ -12,7 +12,8 @@ from flexoffload.runtime.settings import Settings
 
 # a streaming MoE run with every field away from its default, so a field dropped on either side shows
 STREAMING = Settings(strategy="stream", window=3, io_threads=5, chunk_bytes=4 << 20, expert_slots=6,
-                     expert_policy="lfu", expert_whole=True, expert_ahead=True, expert_lookahead=True)
+                     expert_policy="lfu", expert_whole=True, expert_ahead=True, expert_lookahead=True,
+                     expert_router=False)
 
 
 def test_every_field_has_its_variable():
@@ -32,8 +33,9 @@ def test_in_process_and_server_configurations_are_one(monkeypatch):
                         applied.update(window=window, io_threads=io_threads, chunk_bytes=chunk_bytes,
                                        direct_io=direct_io))
     monkeypatch.setattr(stream, "configure_experts", lambda slots, policy="lru", whole=False, ahead=False,
-                        lookahead=False: applied.update(expert_slots=slots, expert_policy=policy, expert_whole=whole,
-                                                        expert_ahead=ahead, expert_lookahead=lookahead))
+                        lookahead=False, router=True: applied.update(expert_slots=slots, expert_policy=policy,
+                                                                     expert_whole=whole, expert_ahead=ahead,
+                                                                     expert_lookahead=lookahead, expert_router=router))
     made = config.stream_config(STREAMING)
     made.apply()
     env = server.environment(STREAMING)

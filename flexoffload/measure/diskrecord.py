@@ -137,13 +137,25 @@ def expert_run_bw(timings: dict) -> float:
     if stall <= 0 or stall < IO_BOUND_SHARE * elapsed:
         return 0.0
     if timings.get("expert_predicted", 0):
-        # lookahead reads the next layer's experts under this one's compute, every token: neither the waits nor the
-        # run's time is the reads' (the 120b shape's runs met 1.37-1.67 GB/s decoding at 12 GiB, and bytes over
-        # the run's time, its 18-26 s prompt included, said 0.96-1.38: planned with, the predictions fell further
-        # below measured, results/moe_120b_predicted.csv), so such a run records nothing
-        return 0.0
+        return _decode_bw(timings)
     # a prompt's batch read the next layer's experts ahead (patch 0022): over the run's time, a lower bound
     return n_bytes / (elapsed if timings.get("expert_ahead", 0) else stall)
+
+
+def _decode_bw(timings: dict) -> float:
+    """A run that looks ahead reads the next layer's experts under this one's compute, every token: neither its
+    waits nor its whole time is the reads' (the 120b shape's runs met 1.37-1.67 GB/s decoding at 12 GiB, and bytes
+    over the run's time, its 18-26 s prompt included, said 0.96-1.38, results/moe_120b_predicted.csv). Where the
+    reads set its decode's pace (compute waited a share of it), what decode read over its time is the rate they met
+    at least; 0 otherwise, or for a run that does not say what its prompt read."""
+    decode_s = timings.get("stream_decode_s", 0.0)
+    if decode_s <= 0 or "stream_prompt_stall_s" not in timings:
+        return 0.0
+    n_bytes = timings["stream_bytes_read"] - timings["stream_prompt_bytes_read"]
+    stall = timings["stream_stall_s"] - timings["stream_prompt_stall_s"]
+    if n_bytes < EXPERT_BYTES or stall < IO_BOUND_SHARE * decode_s:
+        return 0.0
+    return n_bytes / decode_s
 
 
 def record_expert_run(path, timings: dict) -> float:

@@ -39,14 +39,14 @@ class LayerStats(ctypes.Structure):
 
 class ExpertsConfig(ctypes.Structure):
     _fields_ = [("slots", ctypes.c_int32), ("policy", ctypes.c_int32), ("whole", ctypes.c_int32),
-                ("ahead", ctypes.c_int32), ("lookahead", ctypes.c_int32)]
+                ("ahead", ctypes.c_int32), ("lookahead", ctypes.c_int32), ("router", ctypes.c_int32)]
 
 
 class ExpertsStats(ctypes.Structure):
     _fields_ = [("n_uses", ctypes.c_uint64), ("n_hits", ctypes.c_uint64), ("n_reads", ctypes.c_uint64),
                 ("bytes_read", ctypes.c_uint64), ("n_evictions", ctypes.c_uint64), ("bytes_cached", ctypes.c_int64),
                 ("bytes_cached_peak", ctypes.c_int64), ("n_ahead", ctypes.c_uint64), ("n_spilled", ctypes.c_uint64),
-                ("n_predicted", ctypes.c_uint64), ("n_predicted_used", ctypes.c_uint64)]
+                ("n_predicted", ctypes.c_uint64), ("n_predicted_used", ctypes.c_uint64), ("n_routed", ctypes.c_uint64)]
 
 
 EXPERT_POLICIES = ("lru", "lfu")  # enum ggml_cpu_streamed_experts_policy, in order
@@ -123,16 +123,17 @@ def _cpu_lib():
 
 
 def configure_experts(slots: int, policy: str = "lru", whole: bool = False, ahead: bool = False,
-                      lookahead: bool = False) -> None:
+                      lookahead: bool = False, router: bool = True) -> None:
     """A mixture of experts' expert cache: experts each layer keeps between tokens (-1: all it has read), and which
     to give back first (lru, lfu), from the next layer computed. whole: the expert tensors of models loaded from now
     on stream whole, by the window, as dense tensors do (patch 0021), not by expert. ahead: a prompt batch naming
     three quarters of a layer's experts reads the next layer's ahead (patch 0022). lookahead: a layer's router input
-    through the next layer's router predicts that layer's experts, read while this layer computes (patch 0029)."""
+    through the next layer's router predicts that layer's experts, read while this layer computes (patch 0029).
+    router: a layer's reads are queued at its router's choice (its argsort), not at its first expert op (patch 0031)."""
     if policy not in EXPERT_POLICIES:
         raise FlexoffloadError(f"unknown expert cache policy {policy!r}: one of {', '.join(EXPERT_POLICIES)}")
     c = ExpertsConfig(slots=max(-1, slots), policy=EXPERT_POLICIES.index(policy), whole=int(whole),
-                      ahead=int(ahead), lookahead=int(lookahead))
+                      ahead=int(ahead), lookahead=int(lookahead), router=int(router))
     _cpu_lib().ggml_backend_cpu_streamed_experts_set_config(ctypes.byref(c))
 
 
@@ -140,7 +141,8 @@ def expert_stats() -> dict:
     """The expert cache's counters since the last reset, for the process: uses (routed experts, per layer and
     pass), hits, slices read and their bytes, evictions, bytes cached now and at peak, experts read ahead, experts
     a batch held beyond its layer's cache (in the spill array the layers share, patch 0027), and experts read on a
-    prediction and of those the ones their router chose (patch 0029)."""
+    prediction and of those the ones their router chose (patch 0029), and experts whose reads were queued at their
+    router's choice (patch 0031)."""
     s = ExpertsStats()
     _cpu_lib().ggml_backend_cpu_streamed_experts_get_stats(None, ctypes.byref(s))
     return {name: getattr(s, name) for name, _ in ExpertsStats._fields_}

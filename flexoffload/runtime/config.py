@@ -2,7 +2,8 @@
 
 An in-process run (engine.Engine) applies it through the C API (native/stream.py: configure, configure_experts);
 llama-server (server.environment) gets the same object as the LLAMA_STREAM_* variables the patched llama.cpp reads
-once at first use (patches 0002, 0008, 0018, 0021, 0022, 0029). One object for both, so a run and a serve of the same
+once at first use (patches 0002, 0008, 0018, 0021, 0022, 0029,
+0031). One object for both, so a run and a serve of the same
 plan stream alike.
 """
 
@@ -23,6 +24,7 @@ class StreamConfig:
     expert_whole: bool  # expert tensors stream whole, by the window
     expert_ahead: bool  # a prompt batch naming most of a layer's experts reads the next layer's ahead
     expert_lookahead: bool  # the next layer's experts, predicted from this layer's router input, read ahead
+    expert_router: bool  # a layer's reads queued at its router's choice (patch 0031), not at its first expert op
 
     def apply(self) -> None:
         """Set it in this process's native runtime, for the models loaded afterwards. direct_io is left at the
@@ -31,7 +33,8 @@ class StreamConfig:
 
         stream.configure(self.window, self.io_threads, chunk_bytes=self.chunk_bytes)
         stream.configure_experts(self.expert_slots, self.expert_policy, whole=self.expert_whole,
-                                 ahead=self.expert_ahead, lookahead=self.expert_lookahead)
+                                 ahead=self.expert_ahead, lookahead=self.expert_lookahead,
+                                 router=self.expert_router)
 
     def environment(self) -> dict[str, str]:
         """The LLAMA_STREAM_* variables that set it in a child's native runtime (a flag as 0 or 1, as the patches
@@ -49,6 +52,7 @@ VARIABLES = {
     "expert_whole": "LLAMA_STREAM_EXPERT_WHOLE",
     "expert_ahead": "LLAMA_STREAM_EXPERT_AHEAD",
     "expert_lookahead": "LLAMA_STREAM_EXPERT_LOOKAHEAD",
+    "expert_router": "LLAMA_STREAM_EXPERT_ROUTER",
 }
 
 

@@ -303,14 +303,15 @@ class Engine:
             stream.set_n_ubatch(self.ctx, s.decode_ubatch)
             self.made_resident = stream.make_resident(self.model, s.resident_after_prefill)
 
-    def _bytes_read(self) -> int:
-        """What the streaming runtime has read for this model since the prompt began (0 under mmap): at the first
-        token, the prompt's reads, so that decode's are told apart."""
+    def _streamed(self) -> tuple[int, float]:
+        """What the streaming runtime has read for this model since the prompt began, and the seconds compute waited
+        for reads (0 under mmap): at the first token, the prompt's, so that decode's are told apart."""
         if self.settings.strategy == "mmap":
-            return 0
+            return 0, 0.0
         from flexoffload.native import stream
 
-        return stream.stats(self.model, layers=False).bytes_read
+        st = stream.stats(self.model, layers=False)
+        return st.bytes_read, st.t_stall_s
 
     def generate(self, prompt: str, n_predict: int, on_text=None, forced: str | None = None) -> Result:
         """Greedy or sampled generation of up to n_predict tokens (-1: until end of text or context). forced: a text
@@ -346,7 +347,7 @@ class Engine:
                     token = forced[len(tokens)]
                 if t_first is None:
                     t_first = time.perf_counter()
-                    prompt_read = self._bytes_read()
+                    prompt_read, prompt_stall = self._streamed()
                 if lib.llama_vocab_is_eog(self.vocab, token):
                     stop = "eog"
                     break
@@ -373,8 +374,10 @@ class Engine:
             timings["token_p50_s"] = ordered[len(ordered) // 2]
             timings["token_p95_s"] = ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))]
         if self.settings.strategy != "mmap":
+            prompt_read, prompt_stall = (prompt_read, prompt_stall) if t_first is not None else self._streamed()
             timings.update(resident_locked=not self.log.mlock_failed, made_resident=self.made_resident,
-                           stream_prompt_bytes_read=prompt_read if t_first is not None else self._bytes_read(),
+                           stream_prompt_bytes_read=prompt_read, stream_prompt_stall_s=prompt_stall,
+                           stream_decode_s=t_end - t_first if t_first is not None else 0.0,
                            **stream_timings(t_end - t_start, self.model))
         return Result.of(prompt_tokens[cached:], out, (t_start, t_first or t_end, t_end), n_decoded, self.load_s,
                          self.settings.strategy, stop, timings)

@@ -83,5 +83,6 @@ def stream_timings(elapsed_s: float, model) -> dict:
         timings.update(expert_uses=experts["n_uses"], expert_hit_rate=experts["n_hits"] / experts["n_uses"],
                        expert_bytes_read=experts["bytes_read"], expert_cached_peak=experts["bytes_cached_peak"],
                        expert_ahead=experts["n_ahead"], expert_spilled=experts["n_spilled"],
-                       expert_predicted=experts["n_predicted"], expert_predicted_used=experts["n_predicted_used"])
+                       expert_predicted=experts["n_predicted"], expert_predicted_used=experts["n_predicted_used"],
+                       expert_routed=experts["n_routed"])
     return timings

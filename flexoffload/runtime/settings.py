@@ -34,6 +34,7 @@ class Settings:
     expert_whole: bool = False  # its expert tensors stream whole, by the window, not by expert
     expert_ahead: bool = False  # a prompt batch naming most of a layer's experts reads the next layer's ahead
     expert_lookahead: bool = False  # the next layer's experts, predicted from this layer's router input, read ahead
+    expert_router: bool = True  # a layer's reads queued at its router's choice, not at its first expert op
     n_outputs: int = 1  # logits rows one forward pass returns (a speculation tree needs one per node)
     n_seq_max: int = 1  # sequences in the KV cache (a speculation tree: one per branch, in one unified cache)
     n_ubatch: int = 0  # tokens a forward pass computes at once (llama.cpp's -ub); 0: n_batch
