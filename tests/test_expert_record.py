@@ -87,6 +87,8 @@ def test_a_run_that_looks_ahead_records_what_its_decode_read_over_its_time():
     assert f(_timings(1e9, n_bytes=n, stream_prompt_stall_s=waits - 0.3, **decode)) == 0  # decode waited 15 %
     assert f(_timings(1e9, n_bytes=n, stream_prompt_stall_s=1.0,
                       **{**decode, "stream_prompt_bytes_read": n - 1000})) == 0  # too few bytes decoding
+    # a long prompt computing while the whole run's waits are a twentieth of its time: decode's share decides
+    assert f(_timings(1e9, n_bytes=n, stall_share=0.05, stream_prompt_stall_s=1.0, **decode)) > 0
 
 
 def test_the_last_runs_are_kept_and_a_corrupt_record_is_ignored(moe, private_cache):

@@ -133,11 +133,11 @@ def expert_run_bw(timings: dict) -> float:
     if (n_bytes < EXPERT_BYTES or n_bytes < EXPERT_SHARE * total or timings.get("stream_read_gb_s", 0) <= 0
             or timings["stream_direct"] != timings["stream_reads"]):
         return 0.0
+    if timings.get("expert_predicted", 0):  # its decode alone: a long prompt's compute hides the run's waits
+        return _decode_bw(timings)
     elapsed, stall = total / (timings["stream_read_gb_s"] * 1e9), timings.get("stream_stall_s", 0.0)
     if stall <= 0 or stall < IO_BOUND_SHARE * elapsed:
         return 0.0
-    if timings.get("expert_predicted", 0):
-        return _decode_bw(timings)
     # a prompt's batch read the next layer's experts ahead (patch 0022): over the run's time, a lower bound
     return n_bytes / (elapsed if timings.get("expert_ahead", 0) else stall)
 
