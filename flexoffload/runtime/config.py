@@ -2,9 +2,8 @@
 
 An in-process run (engine.Engine) applies it through the C API (native/stream.py: configure, configure_experts);
 llama-server (server.environment) gets the same object as the LLAMA_STREAM_* variables the patched llama.cpp reads
-once at first use (patches 0002, 0008, 0018, 0021, 0022, 0029,
-0031). One object for both, so a run and a serve of the same
-plan stream alike.
+once at first use (patches 0002, 0008, 0018, 0021, 0022, 0029, 0031). One object for both, so a run and a serve of
+the same plan stream alike.
 """
 
 from __future__ import annotations
