@@ -706,7 +706,8 @@ def test_llama_server_flags_from_the_runs_settings():
                                             "LLAMA_STREAM_CHUNK_BYTES": str(settings.chunk_bytes),
                                             "LLAMA_STREAM_EXPERT_SLOTS": "4", "LLAMA_STREAM_EXPERT_POLICY": "lru",
                                             "LLAMA_STREAM_EXPERT_WHOLE": "0", "LLAMA_STREAM_EXPERT_AHEAD": "0",
-                                            "LLAMA_STREAM_EXPERT_LOOKAHEAD": "0", "GGML_CPU_TILED_MM": "0"}
+                                            "LLAMA_STREAM_EXPERT_LOOKAHEAD": "0", "LLAMA_STREAM_EXPERT_ROUTER": "1",
+                                            "GGML_CPU_TILED_MM": "0"}
     # a plan that streams a MoE's expert tensors whole (patch 0021), or keeps its experts by frequency, or reads the
     # next layer's predicted experts ahead (0029)
     assert server.environment(replace(settings, expert_whole=True))["LLAMA_STREAM_EXPERT_WHOLE"] == "1"
