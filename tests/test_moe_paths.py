@@ -109,7 +109,7 @@ def test_a_moe_streamed_writes_llama_completion_s_greedy_text(name, reads, tmp_p
 
 # --- the runtime's accounting of expert reads ------------------------------------------------------------------------
 
-def _by_expert(path, slots: int, prompt: str = PROMPT, room: int = 0, *more: str):
+def _by_expert(path, slots: int, prompt: str = PROMPT, room: int = 0, more: tuple[str, ...] = ()):
     """A streamed run of the file prepared near its least budget (and `room` bytes more), its experts read by
     expert, `slots` of them a layer cached between tokens, `more` flags after the others: (the Prepared, the
     Model)."""
@@ -147,7 +147,7 @@ def test_a_prompt_in_several_ubatches_reads_each_expert_once_a_ubatch(tmp_path, 
     shape = dataclasses.replace(synth.SHAPES["qwen3moe-tiny"], n_layer=2, **STREAMED["qwen3moe-tiny"])
     path = synth.write(tmp_path / "moe.gguf", shape, seed=SEED["qwen3moe-tiny"], routing="text")
     prompt = " ".join(f"word{i} thing{i * 7}" for i in range(4))
-    prepared, m = _by_expert(path, 0, prompt, 0, "-b", "8", "-n", "1")
+    prepared, m = _by_expert(path, 0, prompt, more=("-b", "8", "-n", "1"))
     r = api.run_in_cgroup(prepared, None, timeout=300)
     t, passes = r["timings"], -(-r["n_prompt"] // 8)
     assert passes >= 3 and t["stream_passes"] == passes
