@@ -10,14 +10,16 @@ bytes a token at 4 GiB, where a token costs its reads: this says whether the pol
 """
 
 import argparse
-import csv
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from flexoffload import native  # noqa: E402
+from flexoffload.bench.sweep import write_csv  # noqa: E402
 from flexoffload.gguf.model import load  # noqa: E402
 from flexoffload.measure import tracing  # noqa: E402
+from flexoffload.native import tools  # noqa: E402
 from flexoffload.plan import replay  # noqa: E402
 
 DECAYS = (1.0, 0.999, 0.995, 0.99, 0.98, 0.95)
@@ -59,6 +61,7 @@ def main() -> None:
     a = ap.parse_args()
     model = load(a.model)
     trace = tracing.trace(model, None, n_threads=2)
+    made = {"commit": tools.commit(), "native": native.key()}  # the build that traced the routing, where not cached
     rows = []
     for slots in (int(s) for s in a.slots.split(",")):
         lfu = replay.simulate(trace, slots, "lfu", first=a.prompt).hit_rate
@@ -67,12 +70,9 @@ def main() -> None:
             hit = aged(trace, slots, decay, a.prompt)
             rows.append({"model": Path(a.model).name, "tokens": trace.n_tokens, "prompt": a.prompt, "slots": slots,
                          "decay": decay, "hit_rate": round(hit, 4), "lfu": round(lfu, 4),
-                         "belady": round(belady, 4)})
+                         "belady": round(belady, 4), **made})
             print(f"{slots} slots, decay {decay}: {hit:.2%} (LFU {lfu:.2%}, Belady {belady:.2%})")
-    with open(a.output, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+    write_csv(rows, a.output)
 
 
 if __name__ == "__main__":
