@@ -167,6 +167,10 @@ OPTIONS: tuple[Option, ...] = (
            "made once and cached), or auto: its own types, the copy where those do not fit beside the target or "
            "where the copy's measured acceptance predicts it faster", ("run", "plan"), "draft",
            choices=("auto", "own", "q4_0"), key="quant"),
+    Option("draft_head", ("--draft-head",), "auto", "the draft's output head: whole, cut to the 32,768 tokens a "
+           "corpus uses most (FR-Spec: a copy made once and cached; a token outside it is never drafted), or auto: "
+           "whichever is predicted faster by the memory and steps it saves", ("run", "plan"), "draft",
+           choices=("auto", "full", "cut"), key="head"),
     Option("spec_control", ("--spec-control",), "measured", "what sizes a draft model's trees: the acceptance and "
            "costs the run measures (depth by acceptance, the draft off where it loses), or LLMCad's confidence "
            "rules (the reproduction's)", ("run",), "draft", choices=("measured", "llmcad"), key="control"),

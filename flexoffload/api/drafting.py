@@ -14,7 +14,7 @@ from flexoffload import FlexoffloadError
 from flexoffload.defaults import cache_dir, file_key
 from flexoffload.gguf import catalog
 from flexoffload.gguf.model import load
-from flexoffload.measure import probe, profiler, requantize
+from flexoffload.measure import headrows, probe, profiler, requantize
 from flexoffload.rules import spec_types
 from flexoffload.plan import plans
 from flexoffload.plan import candidates, costmodel, qtypes
@@ -108,9 +108,11 @@ SMALLER = "Q4_0"  # the smaller draft's type (the 0.5B's 896-wide rows take no K
 
 @dataclass
 class _Candidate:
-    """A draft -md could run with: the file as given, or its SMALLER copy (made only once chosen)."""
+    """A draft -md could run with: the file as given, its SMALLER copy, or either with its head cut to the frequent
+    tokens (copies made only once chosen)."""
     label: str
     types: dict  # the copy's types ({}: the file as given)
+    head: bool  # its output head cut to headrows.ROWS tokens
     taken: int  # what it takes out of the target's budget, with the free drafters' tables
     step_s: float  # a draft step's predicted seconds
     path: Path | None  # its file (None: the copy is not made yet)
@@ -126,23 +128,48 @@ def smaller_types(draft_model) -> dict[str, str]:
             if qtypes.quantizable(t) and qtypes.tensor_bytes(t, SMALLER) < t.n_bytes}
 
 
+def _resident(draft_model, types: dict, head: bool) -> int:
+    """The bytes of the draft's resident tensors at these types, its head cut or not: a cut head is its kept rows
+    (a tied model gets one of its own, and its embeddings are then only looked up, read by rows)."""
+    by_rows = set(speculate.draft_by_rows(draft_model))
+    tied = costmodel.tied_output(draft_model)
+    out = 0
+    for t in draft_model.tensors:
+        size = qtypes.tensor_bytes(t, types[t.name]) if t.name in types else t.n_bytes
+        if head and (t.kind == "output" or t in tied):
+            out += size * headrows.ROWS // draft_model.n_vocab  # a tied model's embeddings are then looked up only
+        elif t.name not in by_rows:
+            out += size
+    return out
+
+
+def _made(draft_model, types: dict, head: bool) -> Path | None:
+    """The file of a candidate, where it is made (the file as given always is)."""
+    path = requantize.mixed_path(draft_model, types, None) if types else Path(draft_model.path)
+    if head and path.is_file():
+        path = headrows.path(load(path))
+    return path if path.is_file() else None
+
+
 def _candidates(draft_model, r, table: int) -> list[_Candidate]:
-    """The drafts --draft-quant allows: the file as given and its SMALLER copy, each with what it would take (the
-    copy's weights computed from its types, the rest as the file's) and its predicted step (a step reads every
-    resident weight: its time follows their bytes)."""
+    """The drafts --draft-quant and --draft-head allow: the file as given, its SMALLER copy, and each with its head
+    cut, each with what it would take (the copy's weights computed from its types, the rest as the file's) and its
+    predicted step (a step reads every resident weight: its time follows their bytes)."""
     own_taken = draft_bytes(draft_model, r) + table
     step_s = costmodel.compute_seconds(draft_model, profiler.measure(draft_model, r.n_threads))
-    out = [_Candidate("its own types", {}, own_taken, step_s, Path(draft_model.path))] if r.draft_quant != "q4_0" \
-        else []
-    types = smaller_types(draft_model) if r.draft_quant != "own" else {}
-    if types:
-        by_rows = set(speculate.draft_by_rows(draft_model))
-        resident = [t for t in draft_model.tensors if t.name not in by_rows]
-        own = sum(t.n_bytes for t in resident)
-        smaller = sum(qtypes.tensor_bytes(t, types[t.name]) if t.name in types else t.n_bytes for t in resident)
-        made = requantize.mixed_path(draft_model, types, None)
-        out.append(_Candidate(f"all {SMALLER}", types, own_taken - (own - smaller), step_s * smaller / own,
-                              made if made.is_file() else None))
+    own = _resident(draft_model, {}, False)
+    quants = ([{}] if r.draft_quant != "q4_0" else []) + \
+        ([smaller_types(draft_model)] if r.draft_quant != "own" and smaller_types(draft_model) else [])
+    heads = {"auto": (False, True), "full": (False,), "cut": (True,)}[r.draft_head]
+    if draft_model.n_vocab <= headrows.ROWS or headrows.is_cut(draft_model):
+        heads = (False,)
+    out = []
+    for types in quants:
+        for head in heads:
+            size = _resident(draft_model, types, head)
+            label = "its own types" if not types else f"all {SMALLER}"
+            out.append(_Candidate(label + (f", head cut to {headrows.ROWS} tokens" if head else ""), types, head,
+                                  own_taken - (own - size), step_s * size / own, _made(draft_model, types, head)))
     return out
 
 
@@ -181,24 +208,30 @@ def with_model(model, draft_model, r, limit: int | None, notes: list[str]) -> Dr
         notes.append(f"flexoffload: the draft does not fit beside the target at this budget ({why}): running the "
                      f"target alone (--draft-always refuses instead)")
         return _without_draft(model, r, limit, notes, given)
-    if fits[0].types == {} and len(fits) > 1 and not (fits[1].path and fits[1].stored):
+    if r.draft_quant == "auto" and any(c.types == {} for c in fits):
         # the copy unmeasured beside a file that fits: requantizing an already quantized draft cost more acceptance
         # than its memory won (results/headline_md52b.csv: 0.91x the file at 0.8x), so it runs only once measured
-        fits = fits[:1]
+        fits = [c for c in fits if c.types == {} or (c.path and c.stored)]
     best = max(fits, key=lambda c: (c.predicted, -c.taken))  # a tie: the one leaving the target more
     if len(fits) > 1:
-        other = next(c for c in fits if c is not best)
         def said(c):
             return (f"at {c.label} ({c.taken / 2**20:.0f} MiB with its context, "
                     f"{'measured' if c.stored else 'prior'} acceptance) {c.predicted:.2f} tok/s")
-        notes.append(f"flexoffload: -md: the draft is predicted {said(best)}, {said(other)}, by the memory each "
-                     f"leaves the target: running it at {best.label}")
+        others = "; ".join(said(c) for c in fits if c is not best)
+        notes.append(f"flexoffload: -md: the draft is predicted {said(best)}; {others}, by the memory each leaves "
+                     f"the target and its step: running it at {best.label}")
     elif r.draft_quant == "auto" and best.types == {} and limit is not None and why is not None:
-        notes.append(f"flexoffload: -md: the draft's {SMALLER} copy does not fit beside the target either ({why})")
+        notes.append(f"flexoffload: -md: the draft's smaller copies do not fit beside the target either ({why})")
     path = best.path
-    if best.types and path is None:  # made once, then cached
-        notes.append(f"flexoffload: making the draft's {SMALLER} copy (once, cached)")
-        path = requantize.requantize(draft_model, best.types, n_threads=r.n_threads)
+    if path is None:  # made once, then cached
+        path = Path(draft_model.path)
+        if best.types:
+            notes.append(f"flexoffload: making the draft's {SMALLER} copy (once, cached)")
+            path = requantize.requantize(draft_model, best.types, n_threads=r.n_threads)
+        if best.head:
+            notes.append(f"flexoffload: making the draft's copy with its head cut to {headrows.ROWS} tokens (once, "
+                         f"cached)")
+            path = headrows.cut(load(path))
         made = load(path)
         best.taken = draft_bytes(made, r) + drafters.table_bytes(names, model.n_vocab)
         best.plan = plan_for_run(model, r, limit, tree_outputs(r), spectree.MAX_BRANCHES + 1, best.taken)
