@@ -29,10 +29,9 @@ def _tensors(path):
 def test_a_cut_head_keeps_its_rows_names_their_tokens_and_copies_the_rest(tmp_path, qtype, tied):
     shape = replace(synth.SHAPES["qwen2-tiny"], tied_embeddings=tied)
     full = synth.write(tmp_path / "full.gguf", shape, qtype=qtype, seed=5)
-    ids = np.array([300, 3, 17, 17, 250, 5])  # unordered, one twice: kept once, in id order
-    cut = headcut.write(full, tmp_path / "cut.gguf", ids)
+    kept = np.array([300, 3, 17, 250, 5])  # in the order given (most used first)
+    cut = headcut.write(full, tmp_path / "cut.gguf", kept, spare=2)
     before, after = _tensors(full), _tensors(cut)
-    kept = np.array([3, 5, 17, 250, 300])
     head = before["token_embd.weight" if tied else "output.weight"]
     assert np.array_equal(np.asarray(after["output.weight"].data), np.asarray(head.data)[kept])
     assert after["output.weight"].tensor_type == head.tensor_type
@@ -43,24 +42,32 @@ def test_a_cut_head_keeps_its_rows_names_their_tokens_and_copies_the_rest(tmp_pa
             assert np.array_equal(np.asarray(after[name].data), np.asarray(t.data)), name
     model = load(cut)
     assert model.n_vocab == shape.n_vocab and not model.tied_embeddings and headcut.rows(cut) == 5
+    assert headcut.source(cut) == (full.resolve(), 2) and headcut.source(full) is None
     with pytest.raises(FlexoffloadError, match="already cut"):
-        headcut.write(cut, tmp_path / "again.gguf", ids)
-    for bad in ([], [-1, 2], [shape.n_vocab], range(shape.n_vocab)):
+        headcut.write(cut, tmp_path / "again.gguf", kept)
+    with pytest.raises(FlexoffloadError, match="spare"):
+        headcut.write(full, tmp_path / "bad.gguf", kept, spare=6)
+    for bad in ([], [-1, 2], [shape.n_vocab], range(shape.n_vocab), [3, 17, 3]):
         with pytest.raises(FlexoffloadError, match="distinct token ids"):
             headcut.write(full, tmp_path / "bad.gguf", bad)
     assert not (tmp_path / "bad.gguf").exists() and not (tmp_path / "bad.gguf.part").exists()
 
 
+def _decoded(e, tokens):
+    """The logits of every token of one pass over tokens in the engine's context."""
+    batch = speculate._Batch(e.lib, len(tokens), 1)
+    batch.fill([(t, i, [0], True) for i, t in enumerate(tokens)])
+    assert e.lib.llama_decode(e.ctx, batch.batch) == 0
+    n_vocab = e.lib.llama_vocab_n_tokens(e.vocab)
+    return np.stack([np.ctypeslib.as_array(e.lib.llama_get_logits_ith(e.ctx, i), shape=(n_vocab,)).copy()
+                     for i in range(len(tokens))])
+
+
 def _logits(path, tokens):
-    """The logits of every token of one pass over tokens."""
+    """The logits of every token of one pass over tokens, the model mapped."""
     settings = speculate.target_settings(engine.Settings(n_ctx=128, n_batch=64, temp=0.0, strategy="mmap"))
     with engine.Engine(path, settings) as e:
-        batch = speculate._Batch(e.lib, len(tokens), 1)
-        batch.fill([(t, i, [0], True) for i, t in enumerate(tokens)])
-        assert e.lib.llama_decode(e.ctx, batch.batch) == 0
-        n_vocab = e.lib.llama_vocab_n_tokens(e.vocab)
-        return np.stack([np.ctypeslib.as_array(e.lib.llama_get_logits_ith(e.ctx, i), shape=(n_vocab,)).copy()
-                         for i in range(len(tokens))])
+        return _decoded(e, tokens)
 
 
 @pytest.mark.parametrize("qtype", ["Q4_0", "F32"])
@@ -82,6 +89,30 @@ def test_a_cut_head_s_logits_are_the_whole_head_s_at_its_tokens_and_minus_infini
     assert np.all(np.isin(part.argmax(axis=1), ids))
 
 
+def test_a_run_points_the_spare_rows_at_its_prompt_s_tokens_the_head_lacks(tmp_path):
+    """The last rows of a cut head are spare: before a prompt, its tokens the head lacks take them (the most
+    frequent first, round robin over the rows the prompt's tokens do not hold), their weights read from the file the head was cut from, so their
+    logits are the whole head's bit for bit; a token whose row is taken again is -inf once more."""
+    from flexoffload.speculation import head
+
+    shape = synth.SHAPES["qwen2-tiny"]
+    full = synth.write(tmp_path / "full.gguf", shape, qtype="Q4_0", seed=7, output_scale=10)
+    kept = np.arange(100, 200)  # rows 96-99 (tokens 196-199) spare
+    cut = headcut.write(full, tmp_path / "cut.gguf", kept, spare=4)
+    tokens = [5, 40, 40, 77, 220, 9, 40, 5]
+    whole = _logits(full, tokens + [250, 300])
+    settings = speculate.target_settings(engine.Settings(n_ctx=128, n_batch=64, temp=0.0, strategy="stream"))
+    with engine.Engine(cut, settings) as e:
+        spare = head.spare(e, cut)
+        assert spare is not None and spare.admit(tokens) == 4  # 5, 9, 40, 77 and 220 lack rows: 4 spare rows
+        assert spare.tokens == [40, 5, 77, 220] and spare.admit([40, 5, 250, 300, 150]) == 2
+        assert spare.tokens == [40, 5, 250, 300]  # the prompt's own rows kept; 150 has a row of its own
+        part = _decoded(e, tokens + [250, 300])
+    held = np.array(sorted(set(range(100, 196)) | {40, 5, 250, 300}))
+    assert np.array_equal(part[:, held], whole[:, held])
+    assert np.all(np.isneginf(np.delete(part, held, axis=1)))
+
+
 def test_the_frequent_tokens_are_those_the_corpus_uses_most_with_the_special_ones(tmp_path, monkeypatch,
                                                                                      private_cache):
     from flexoffload.measure import headrows
@@ -95,7 +126,7 @@ def test_the_frequent_tokens_are_those_the_corpus_uses_most_with_the_special_one
                    or lib.llama_vocab_is_control(vocab, t)]
     assert special and np.all(n[special] == n.max())
     rows = headrows.frequent(model, 64)
-    assert len(rows) == 64 and np.all(np.diff(rows) > 0) and set(special) <= set(rows)
+    assert len(rows) == 64 and np.all(np.diff(n[rows]) <= 0) and set(special) <= set(rows)
     assert n[rows].min() >= np.delete(n, rows).max()  # nothing left out is used more than what is kept
     assert (private_cache / "heads").is_dir()  # counted once: the second call reads them back
     assert np.array_equal(headrows.counts(model), n)
@@ -117,7 +148,7 @@ def test_run_md_with_the_draft_s_head_cut_is_made_once_cached_and_lossless(priva
     out = json.loads(made.stdout)
     copy = Path(out["draft"]["path"])
     assert copy.parent == private_cache / "heads" and headcut.rows(copy) == 32768
-    assert out["tokens"] == alone["tokens"]
+    assert out["tokens"] == alone["tokens"] and "head_pointed" in out["timings"]
     again = cli("run", *common, "--draft-head", "cut", check=True)
     assert "once, cached" not in again.stderr and json.loads(again.stdout)["draft"]["path"] == str(copy)
     assert json.loads(again.stdout)["tokens"] == alone["tokens"]

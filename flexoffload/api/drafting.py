@@ -194,9 +194,14 @@ def with_model(model, draft_model, r, limit: int | None, notes: list[str]) -> Dr
         except FlexoffloadError as e:
             why = why or e
             continue
-        # a copy not made yet has no history of its own: the file's stands in
+        # a copy not made yet has no history of its own: the file's stands in; a cut head without one, the whole
+        # head's at the same types (its spare rows hold the prompt's tokens: the acceptance is nearly the same)
         c.where = history_file(model.path, c.path or draft_model.path)
         c.stored = history.load(c.where, kind, notes) if r.history else None
+        whole = _made(draft_model, c.types, False)
+        if c.stored is None and c.head and r.history and whole:
+            c.where = history_file(model.path, whole)
+            c.stored = history.load(c.where, kind, notes)
         if c.plan is not None and c.plan.predicted_tok_s:
             c.predicted = speccontrol.predicted_tok_s(speccontrol.Measured.from_json(c.stored) if c.stored
                                                       else speccontrol.Measured(), 1 / c.plan.predicted_tok_s,

@@ -6,6 +6,11 @@ a corpus uses most, it is 31 MB, and the draft still drafts in the target's toke
 vocabulary and the token embeddings, and names the token of each kept row in `output_ids.weight` (I32). Patch 0032
 loads such a head and puts its logits back at those ids, every other token at -inf, so a token outside the head is
 never drafted and the target's verification keeps the output lossless.
+
+A prompt's own words are often not among a corpus's most used (HumanEval/81's `_grade`, ` grades`), and a draft that
+cannot propose them breaks its chain at each. So the head's last rows are spare: the copy names its source, and a
+run points the spare rows at the prompt's tokens the head lacks, their rows read from the source
+(speculation/head.py, patch 0032's llama_head_set_rows).
 """
 
 from __future__ import annotations
@@ -20,6 +25,22 @@ from flexoffload import FlexoffloadError
 HEAD = "output.weight"
 IDS = "output_ids.weight"
 EMBEDDINGS = "token_embd.weight"  # a model with tied embeddings has no head of its own: its rows are these
+SOURCE = "flexoffload.head.source"  # the file the head was cut from: the rows of the tokens it lacks are there
+SPARE = "flexoffload.head.spare"  # the last rows, the least used of those kept: a run may point them at others
+
+
+def source(path: str | os.PathLike) -> tuple[Path, int] | None:
+    """The file a cut head was cut from and its spare rows (SPARE), or None for a whole head."""
+    from flexoffload.gguf.model import metadata
+
+    kv = metadata(path)
+    return (Path(kv[SOURCE]), int(kv.get(SPARE, 0))) if SOURCE in kv else None
+
+
+def head_tensor(model):
+    """The model's head: output.weight, or the token embeddings a tied model multiplies by."""
+    return next((t for t in model.tensors if t.name == HEAD), None) or \
+        next((t for t in model.tensors if t.name == EMBEDDINGS), None)
 
 
 def rows(path: str | os.PathLike) -> int | None:
@@ -30,10 +51,11 @@ def rows(path: str | os.PathLike) -> int | None:
     return int(ids.n_elements) if ids is not None else None
 
 
-def write(src: str | os.PathLike, dst: str | os.PathLike, ids) -> Path:
+def write(src: str | os.PathLike, dst: str | os.PathLike, ids, spare: int = 0) -> Path:
     """Write a copy of the GGUF at src to dst (atomically: a part file renamed) whose output head keeps the rows of
-    ids alone (distinct token ids, kept in ascending order), with output_ids.weight naming them. Every other tensor
-    and key is copied as stored; a model with tied embeddings gets a head of its own, cut from its embeddings."""
+    ids alone (distinct token ids, in their order), with output_ids.weight naming them, the last `spare` of them
+    spare (SPARE) and src named as the source (SOURCE). Every other tensor and key is copied as stored; a model
+    with tied embeddings gets a head of its own, cut from its embeddings."""
     import gguf
 
     src, dst = Path(src), Path(dst)
@@ -45,9 +67,11 @@ def write(src: str | os.PathLike, dst: str | os.PathLike, ids) -> Path:
     if head is None:
         raise FlexoffloadError(f"{src.name} has neither an output head nor token embeddings to cut one from")
     n_vocab = int(head.shape[-1])  # gguf's shape lists ne: (n_embd, n_vocab)
-    ids = np.unique(np.asarray(ids, dtype=np.int64))
-    if ids.size == 0 or ids[0] < 0 or ids[-1] >= n_vocab or ids.size >= n_vocab:
+    ids = np.asarray(ids, dtype=np.int64).ravel()
+    if not 0 < ids.size < n_vocab or ids.min() < 0 or ids.max() >= n_vocab or np.unique(ids).size != ids.size:
         raise FlexoffloadError(f"a cut head keeps between 1 and {n_vocab - 1} distinct token ids of {n_vocab}")
+    if not 0 <= spare <= ids.size:
+        raise FlexoffloadError(f"a cut head of {ids.size} rows cannot have {spare} spare")
 
     tmp = dst.with_name(dst.name + ".part")
     w = gguf.GGUFWriter(tmp, reader.fields["general.architecture"].contents())
@@ -56,6 +80,8 @@ def write(src: str | os.PathLike, dst: str | os.PathLike, ids) -> Path:
             continue
         sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
         w.add_key_value(key, field.contents(), field.types[0], sub_type=sub)
+    w.add_string(SOURCE, str(src.resolve()))
+    w.add_uint32(SPARE, spare)
 
     cut = np.ascontiguousarray(head.data[ids])  # a row's bytes are its blocks, whatever the type
     plan = [(t.name, t.data) for t in reader.tensors if t.name != HEAD] + [(HEAD, cut), (IDS, ids.astype(np.int32))]

@@ -5,7 +5,8 @@ FR-Spec counts a large web corpus; no such corpus can be fetched here, so the co
 installation holds: the standard library's sources (code, and English in their docstrings and comments, with
 pydoc's topic texts), read in a fixed order up to CORPUS_BYTES. No benchmark prompt is in it. Tokens the corpus never
 shows follow in id order (a BPE vocabulary numbers its tokens in merge order, roughly by frequency), and every token
-that is not a normal piece (the end-of-generation and chat markers) is kept whatever its count.
+that is not a normal piece (the end-of-generation and chat markers) is kept whatever its count. The last SPARE rows
+(the least used kept) are spare: a run points them at its prompt's tokens the head lacks (gguf/headcut.py).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from flexoffload.gguf.model import Model
 from flexoffload.runtime.engine import tokenize, vocabulary
 
 ROWS = 32768  # FR-Spec's head for Llama-3's 128k vocabulary; 22 % of Qwen2.5's 151,936
+SPARE = 1024  # of them, the least used, which a run points at its prompt's tokens the rest lack (speculation/head.py)
 CORPUS_BYTES = 8 << 20
 
 
@@ -57,10 +59,9 @@ def counts(model: Model) -> np.ndarray:
 
 
 def frequent(model: Model, rows: int = ROWS) -> np.ndarray:
-    """The rows token ids the head keeps: most used first, ties (and the unseen) by id."""
+    """The rows token ids the head keeps, most used first, ties (and the unseen) by id."""
     n = counts(model)
-    order = np.lexsort((np.arange(n.size), -n))  # the last key sorts first: count descending, then id
-    return np.sort(order[:rows])
+    return np.lexsort((np.arange(n.size), -n))[:rows]  # the last key sorts first: count descending, then id
 
 
 def is_cut(model: Model) -> bool:
@@ -70,7 +71,7 @@ def is_cut(model: Model) -> bool:
 
 def path(model: Model, rows: int = ROWS) -> Path:
     """Where the model's copy with its head cut to rows tokens lives in the cache."""
-    return cache_dir() / "heads" / f"{file_key(model.path)}-head{rows}.gguf"
+    return cache_dir() / "heads" / f"{file_key(model.path)}-head{rows}-spare{min(SPARE, rows // 4)}.gguf"
 
 
 def cut(model: Model, rows: int = ROWS) -> Path:
@@ -78,5 +79,5 @@ def cut(model: Model, rows: int = ROWS) -> Path:
     out = path(model, rows)
     if not out.is_file():
         out.parent.mkdir(parents=True, exist_ok=True)
-        headcut.write(model.path, out, frequent(model, rows))
+        headcut.write(model.path, out, frequent(model, rows), spare=min(SPARE, rows // 4))
     return out

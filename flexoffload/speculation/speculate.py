@@ -49,7 +49,7 @@ from flexoffload import FlexoffloadError
 from flexoffload.gguf.model import load
 from flexoffload.runtime.engine import Engine, Result, TextOut, stream_timings
 from flexoffload.speculation import drafters as free
-from flexoffload.speculation import history, replay
+from flexoffload.speculation import head, history, replay
 from flexoffload.speculation.control import Controller, Measured
 from flexoffload.speculation.grow import TreeGrower
 from flexoffload.speculation.kvcache import DEAD_SEQ, TreeCaches
@@ -101,6 +101,7 @@ class Speculator:
         self.verifier = Verifier(self.lib, target, draft, self.options, self.drafters, self.caches, self.grower,
                                  self.n_nodes_max, self.n_vocab)
         self.call: _Call | None = None
+        self.spare = None  # a cut draft head's spare rows, pointed at each prompt's tokens it lacks (head.py)
         # the measured decision: kept across calls (a conversation's turns), stored when the run ends (history.py)
         self.control = None
         if draft is not None and self.options.control == "measured":
@@ -152,6 +153,7 @@ class Speculator:
                               control=self.control)
         for drafter in self.drafters:
             drafter.reset()
+        pointed = self.spare.admit(prompt_tokens) if self.spare else 0
         text_out, stop = TextOut(t, on_text), "limit"
         tokens = text_out.tokens
         try:
@@ -223,6 +225,8 @@ class Speculator:
             timings.update(stream_timings(t_end - t_start, t.model))
         if self.drafters:
             timings["free_table_bytes"] = sum(x.table_bytes for x in self.drafters)
+        if self.spare:
+            timings["head_pointed"] = pointed
         if c.control is not None:
             timings["control"] = c.control.summary()
         return Result.of(prompt_tokens[cached:], text_out, (t_start, t_first, t_end), len(tokens) - 1,
@@ -244,6 +248,7 @@ def loaded(target_path, settings, draft_path, options: Options, free_drafters: t
             target = stack.enter_context(Engine(target_path, target_settings(settings, options.max_nodes)))
         chosen = free.make(free_drafters, target.lib.llama_vocab_n_tokens(target.vocab), store)
         speculator = Speculator(target, draft, options, chosen)
+        speculator.spare = head.spare(draft, draft_path) if draft else None
         yield speculator
     for drafter in chosen:
         drafter.save()
