@@ -13,6 +13,7 @@ import time
 import numpy as np
 
 from flexoffload import FlexoffloadError
+from flexoffload.native import head as native_head
 from flexoffload.speculation import drafters as free
 from flexoffload.speculation.kvcache import TreeCaches
 from flexoffload.speculation.state import _Call
@@ -32,6 +33,10 @@ class TreeGrower:
                  n_vocab: int):
         self.lib, self.draft, self.options, self.drafters = lib, draft, options, drafters
         self.caches, self.n_seq, self.n_vocab = caches, n_seq, n_vocab
+        # a draft head cut to the frequent tokens (gguf/headcut.py): its logits are -inf but at its rows, and
+        # partitioning 120k equal zeros costs 7 ms a step (0.25 ms for the rows alone)
+        self.cut = draft is not None and native_head.n_rows(draft.model) > 0
+        self.live: np.ndarray | None = None  # the tokens the last step's logits were finite at (a cut head's)
 
     # --- the draft ----------------------------------------------------------------------------------------------
 
@@ -52,7 +57,12 @@ class TreeGrower:
             if rc != 0:
                 raise FlexoffloadError(f"the draft's llama_decode failed ({rc}): {d.log.last_error()}")
         logits = np.ctypeslib.as_array(lib.llama_get_logits_ith(d.ctx, -1), shape=(self.n_vocab,))
-        probs = _softmax(logits.astype(np.float64))
+        if self.cut:
+            self.live = np.flatnonzero(logits != -np.inf)
+            probs = np.zeros(self.n_vocab)
+            probs[self.live] = _softmax(logits[self.live].astype(np.float64))
+        else:
+            probs = _softmax(logits.astype(np.float64))
         c.stats.draft_s += time.perf_counter() - t0
         return probs
 
@@ -69,7 +79,8 @@ class TreeGrower:
         c.backlog = []
         for n in todo:
             n.decoded = True
-        order = np.argpartition(probs, -4)[-4:]
+        live = self.live if self.cut and self.live is not None and len(self.live) >= 4 else None
+        order = np.argpartition(probs, -4)[-4:] if live is None else live[np.argpartition(probs[live], -4)[-4:]]
         order = order[np.argsort(-probs[order])]
         added = []
         for rank, token in enumerate(int(t) for t in order):
