@@ -135,7 +135,8 @@ def test_the_frequent_tokens_are_those_the_corpus_uses_most_with_the_special_one
 def test_run_md_with_the_draft_s_head_cut_is_made_once_cached_and_lossless(private_cache, tmp_path):
     """--draft-head cut makes the draft's copy with its head cut to the 32,768 tokens a corpus uses most, once into
     the cache, and runs it; greedy output is the target alone's (a token outside the head is never drafted, and the
-    target verifies every token). --draft-head full runs the file as given."""
+    target verifies every token). --draft-head full runs the file as given; auto runs whichever the acceptance each
+    has measured predicts faster."""
     shape = synth.Shape(n_layer=2, n_embd=64, n_ff=128, n_head=4, n_head_kv=2, n_vocab=40000, n_ctx_train=1024,
                         arch="qwen2")
     target = synth.write(tmp_path / "target.gguf", shape, seed=1, output_seed=2, output_scale=10)
@@ -154,3 +155,20 @@ def test_run_md_with_the_draft_s_head_cut_is_made_once_cached_and_lossless(priva
     assert json.loads(again.stdout)["tokens"] == alone["tokens"]
     full = json.loads(cli("run", *common, "--draft-head", "full", check=True).stdout)
     assert full["draft"]["path"] == str(draft) and full["tokens"] == alone["tokens"]
+
+    # auto: by the speed each is predicted, from the acceptance its history measured (the run's own, kept)
+    from flexoffload.api import drafting
+    from flexoffload.speculation import control, history
+
+    def measured(rate):  # steps and rows nearly free, so the acceptance decides
+        return control.Measured([rate * 20] * 6, [20.0] * 6, [0.1, 20.0], 1e-7, 1e-7)
+
+    kind = history.kind("def add(a, b):")
+    auto = [x for x in common if x != "--no-history"] + ["--mem", "300M"]
+    for whole_rate, cut_rate, chosen in ((0.95, 0.1, draft), (0.1, 0.95, copy)):
+        history.save(drafting.history_file(target, draft), kind, measured(whole_rate))
+        history.save(drafting.history_file(target, copy), kind, measured(cut_rate))
+        r = cli("run", *auto, check=True)
+        assert "measured acceptance" in r.stderr and "head cut to 32768 tokens" in r.stderr, r.stderr
+        out = json.loads(r.stdout)
+        assert out["draft"]["path"] == str(chosen) and out["tokens"] == alone["tokens"]
