@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from flexoffload import FlexoffloadError
+from flexoffload.gguf.model import load, metadata
 
 HEAD = "output.weight"
 IDS = "output_ids.weight"
@@ -31,8 +32,6 @@ SPARE = "flexoffload.head.spare"  # the last rows, the least used of those kept:
 
 def source(path: str | os.PathLike) -> tuple[Path, int] | None:
     """The file a cut head was cut from and its spare rows (SPARE), or None for a whole head."""
-    from flexoffload.gguf.model import metadata
-
     kv = metadata(path)
     return (Path(kv[SOURCE]), int(kv.get(SPARE, 0))) if SOURCE in kv else None
 
@@ -45,10 +44,8 @@ def head_tensor(model):
 
 def rows(path: str | os.PathLike) -> int | None:
     """The rows of the file's cut head, or None where its head is whole."""
-    import gguf
-
-    ids = next((t for t in gguf.GGUFReader(path).tensors if t.name == IDS), None)
-    return int(ids.n_elements) if ids is not None else None
+    ids = next((t for t in load(path).tensors if t.name == IDS), None)
+    return int(ids.shape[0]) if ids is not None else None
 
 
 def write(src: str | os.PathLike, dst: str | os.PathLike, ids, spare: int = 0) -> Path:
@@ -73,29 +70,29 @@ def write(src: str | os.PathLike, dst: str | os.PathLike, ids, spare: int = 0) -
     if not 0 <= spare <= ids.size:
         raise FlexoffloadError(f"a cut head of {ids.size} rows cannot have {spare} spare")
 
-    tmp = dst.with_name(dst.name + ".part")
-    w = gguf.GGUFWriter(tmp, reader.fields["general.architecture"].contents())
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF.") or key == "general.architecture":
-            continue
-        sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
-        w.add_key_value(key, field.contents(), field.types[0], sub_type=sub)
-    w.add_string(SOURCE, str(src.resolve()))
-    w.add_uint32(SPARE, spare)
-
     cut = np.ascontiguousarray(head.data[ids])  # a row's bytes are its blocks, whatever the type
-    plan = [(t.name, t.data) for t in reader.tensors if t.name != HEAD] + [(HEAD, cut), (IDS, ids.astype(np.int32))]
-    for name, data in plan:
-        t = tensors.get(name, head)
-        if name == IDS:
-            w.add_tensor_info(name, data.shape, data.dtype, data.nbytes, raw_dtype=gguf.GGMLQuantizationType.I32)
-        else:
-            w.add_tensor_info(name, data.shape, data.dtype, data.nbytes, raw_dtype=t.tensor_type)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_ti_data_to_file()
-    for _, data in plan:
-        w.write_tensor_data(data)
-    w.close()
-    os.replace(tmp, dst)
+    plan = [(t.name, t.data, t.tensor_type) for t in reader.tensors if t.name != HEAD] + \
+        [(HEAD, cut, head.tensor_type), (IDS, ids.astype(np.int32), gguf.GGMLQuantizationType.I32)]
+    tmp = dst.with_name(dst.name + ".part")
+    try:
+        w = gguf.GGUFWriter(tmp, reader.fields["general.architecture"].contents())
+        for key, field in reader.fields.items():
+            if key.startswith("GGUF.") or key == "general.architecture":
+                continue
+            sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+            w.add_key_value(key, field.contents(), field.types[0], sub_type=sub)
+        w.add_string(SOURCE, str(src.resolve()))
+        w.add_uint32(SPARE, spare)
+        for name, data, qtype in plan:
+            w.add_tensor_info(name, data.shape, data.dtype, data.nbytes, raw_dtype=qtype)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_ti_data_to_file()
+        for _, data, _ in plan:
+            w.write_tensor_data(data)
+        w.close()
+        os.replace(tmp, dst)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # nothing half-written is left in the cache
+        raise
     return dst
