@@ -108,6 +108,9 @@ def test_a_run_points_the_spare_rows_at_its_prompt_s_tokens_the_head_lacks(tmp_p
         assert spare.tokens == [40, 5, 77, 220] and spare.admit([40, 5, 250, 300, 150]) == 2
         assert spare.tokens == [40, 5, 250, 300]  # the prompt's own rows kept; 150 has a row of its own
         part = _decoded(e, tokens + [250, 300])
+        # a token the target outputs takes a row too, never one the prompt's tokens (keep) hold
+        assert spare.admit([260, 40], keep={5, 250}) == 1 and spare.tokens == [40, 5, 250, 260]
+        assert spare.admit([270, 280], keep={40, 5, 250, 260}) == 0
     held = np.array(sorted(set(range(100, 196)) | {40, 5, 250, 300}))
     assert np.array_equal(part[:, held], whole[:, held])
     assert np.all(np.isneginf(np.delete(part, held, axis=1)))

@@ -4,7 +4,8 @@ A head cut to the tokens a corpus uses most lacks a prompt's own words (HumanEva
 cannot propose a token breaks its chain there: on HumanEval/81 the draft cut to 32,768 tokens made 4.6 tokens a pass
 where the whole head made 10.7. Before each prompt, the tokens it holds that the head lacks take the spare rows
 (round robin: the rows pointed longest ago, not at the prompt's tokens), their weights read from the file the head was cut from, as stored, so
-the draft's logits for them are the whole head's (patch 0032, llama_head_set_rows).
+the draft's logits for them are the whole head's (patch 0032, llama_head_set_rows). A token the target outputs that
+the head lacks takes one as well (an answer's own words recur), never one the prompt's tokens hold.
 """
 
 from __future__ import annotations
@@ -42,12 +43,15 @@ class Spare:
         self.tokens = [int(t) for t in rows[self.first:]]  # what each spare row holds
         self.next = 0  # the spare row pointed longest ago
 
-    def admit(self, tokens: list[int]) -> int:
+    def admit(self, tokens: list[int], keep: set[int] = frozenset()) -> int:
         """Point spare rows at the tokens the head lacks, the most frequent first, taking the rows pointed longest
-        ago whose tokens these do not hold: how many were pointed."""
-        wanted, n = set(tokens), len(self.tokens)
+        ago whose tokens neither these nor keep hold: how many were pointed."""
+        counts = Counter(t for t in tokens if t not in self.where)
+        if not counts:
+            return 0
+        wanted, n = set(tokens) | keep, len(self.tokens)
         free = [i for i in ((self.next + k) % n for k in range(n)) if self.tokens[i] not in wanted]
-        lacking = [t for t, _ in Counter(t for t in tokens if t not in self.where).most_common(len(free))]
+        lacking = [t for t, _ in counts.most_common(len(free))]
         if not lacking:
             return 0
         fd = os.open(self.source, os.O_RDONLY)

@@ -153,6 +153,7 @@ class Speculator:
                               control=self.control)
         for drafter in self.drafters:
             drafter.reset()
+        prompt_set = set(prompt_tokens)
         pointed = self.spare.admit(prompt_tokens) if self.spare else 0
         text_out, stop = TextOut(t, on_text), "limit"
         tokens = text_out.tokens
@@ -200,6 +201,8 @@ class Speculator:
                     stop = "context"
                     break
                 c.history += out
+                if self.spare:  # the answer's own words recur: the ones the head lacks take spare rows too
+                    pointed += self.spare.admit(out, keep=prompt_set)
                 draft_s, target_s = c.stats.draft_s - draft0, c.stats.target_s - target0
                 other_s = max(time.perf_counter() - t_step - draft_s - target_s, 0.0)
                 c.stats.passes.append([c.stats.tree_sizes[-1], len(out), n_steps, draft_s, target_s, other_s])
