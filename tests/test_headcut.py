@@ -91,8 +91,9 @@ def test_a_cut_head_s_logits_are_the_whole_head_s_at_its_tokens_and_minus_infini
 
 def test_a_run_points_the_spare_rows_at_its_prompt_s_tokens_the_head_lacks(tmp_path):
     """The last rows of a cut head are spare: before a prompt, its tokens the head lacks take them (the most
-    frequent first, round robin over the rows the prompt's tokens do not hold), their weights read from the file the head was cut from, so their
-    logits are the whole head's bit for bit; a token whose row is taken again is -inf once more."""
+    frequent first, round robin over the rows the prompt's tokens do not hold), their weights read from the file
+    the head was cut from, so their logits are the whole head's bit for bit; a token whose row is taken again is
+    -inf once more."""
     from flexoffload.speculation import head
 
     shape = synth.SHAPES["qwen2-tiny"]
