@@ -158,8 +158,8 @@ def _candidates(draft_model, r, table: int) -> list[_Candidate]:
     own_taken = draft_bytes(draft_model, r) + table
     step_s = costmodel.compute_seconds(draft_model, profiler.measure(draft_model, r.n_threads))
     own = _resident(draft_model, {}, False)
-    quants = ([{}] if r.draft_quant != "q4_0" else []) + \
-        ([smaller_types(draft_model)] if r.draft_quant != "own" and smaller_types(draft_model) else [])
+    smaller = smaller_types(draft_model) if r.draft_quant != "own" else {}
+    quants = ([{}] if r.draft_quant != "q4_0" else []) + ([smaller] if smaller else [])
     heads = {"auto": (False, True), "full": (False,), "cut": (True,)}[r.draft_head]
     if draft_model.n_vocab <= headrows.ROWS or headrows.is_cut(draft_model):
         heads = (False,)
@@ -198,8 +198,8 @@ def with_model(model, draft_model, r, limit: int | None, notes: list[str]) -> Dr
         # head's at the same types (its spare rows hold the prompt's tokens: the acceptance is nearly the same)
         c.where = history_file(model.path, c.path or draft_model.path)
         c.stored = history.load(c.where, kind, notes) if r.history else None
-        whole = _made(draft_model, c.types, False)
-        if c.stored is None and c.head and r.history and whole:
+        whole = _made(draft_model, c.types, False) if c.stored is None and c.head and r.history else None
+        if whole:
             c.where = history_file(model.path, whole)
             c.stored = history.load(c.where, kind, notes)
         if c.plan is not None and c.plan.predicted_tok_s:
