@@ -153,7 +153,7 @@ class Speculator:
                               control=self.control)
         for drafter in self.drafters:
             drafter.reset()
-        prompt_set = set(prompt_tokens)
+        prompt_set = set(prompt_tokens) if self.spare else frozenset()
         pointed = self.spare.admit(prompt_tokens) if self.spare else 0
         text_out, stop = TextOut(t, on_text), "limit"
         tokens = text_out.tokens
