@@ -7,6 +7,9 @@ import pytest
 
 from flexoffload.speculation import history, control as speccontrol
 from flexoffload.speculation.control import PROBE, PROBE_DEPTH, Controller, Measured
+from flexoffload.speculation.grow import TreeGrower
+from flexoffload.speculation.state import _Call
+from flexoffload.speculation.tree import Node, Options, Tree
 
 STEP, ROW, PASS = 0.03, 0.02, 0.5  # a draft step, a target row, a streamed one-token pass (seconds)
 
@@ -153,3 +156,64 @@ def test_a_run_with_no_predicted_pass_drafts_and_measures_first():
     assert control.draft_on() and control.pays(0.9, 1) and not control.pays(0.1, PROBE_DEPTH + 1)
     control.observe_pass(9, PASS + 8 * ROW, 8, 8 * STEP, 0.0, tokens=9)
     assert control.line()[0] > 0 and control.draft_on()
+
+
+def _calibrated(weight: float = 20.0) -> Measured:
+    """A pair whose top tokens are accepted 0.8 of the time at every depth, 0.98 where the draft gave the token
+    0.9 or more and 0.02 where it gave it under 0.3 (an informative draft, as the real 0.5B is on code)."""
+    m = _measured(0.8, depth=24)
+    for b, rate in ((9, 0.98), (0, 0.02), (1, 0.02), (2, 0.02)):
+        m.prob_accepted[b], m.prob_reached[b] = rate * weight, weight
+    return m
+
+
+def test_the_draft_s_own_confidence_is_trusted_as_far_as_it_was_measured():
+    m = _calibrated()
+    assert m.prob_rate(0.95) > 0.95 and m.prob_rate(0.25) < 0.1
+    assert m.prob_rate(0.55) == pytest.approx(m.pooled())  # a tenth never seen: the pooled rate, not 0.55
+    control = Controller(PASS, ROW, STEP)
+    control.observe_node(3, 1, True, 0.42)  # any rank counts, in its tenth
+    control.observe_node(3, 0, False, 0.47)
+    assert control.m.prob_reached[4] == pytest.approx(1.95) and control.m.prob_accepted[4] == pytest.approx(0.95)
+    back = Measured.from_json(m.to_json())
+    assert back.prob_rate(0.95) == pytest.approx(m.prob_rate(0.95), abs=0.02)
+    assert max(back.prob_reached) <= speccontrol.HISTORY_WEIGHT
+    old = {k: v for k, v in m.to_json().items() if not k.startswith("prob_")}  # a history from before: the prior
+    assert Measured.from_json(old).prob_rate(0.95) == pytest.approx(Measured.from_json(old).pooled())
+    with pytest.raises(ValueError):
+        Measured.from_json({**m.to_json(), "prob_accepted": [1.0] * speccontrol.BINS, "prob_reached": [0.5] * 10})
+
+
+class _Scripted(TreeGrower):
+    """A grower whose draft gives its top token the probabilities scripted, one a step (no llama.cpp)."""
+
+    def __init__(self, probs):
+        super().__init__(None, None, Options(tree=False), [], None, 16, 32)
+        self.probs = list(probs)
+
+    def grow(self, c, branch, siblings):
+        for n in c.tree.path(branch.leaf):  # the path decoded, as a draft step does before adding its token
+            n.decoded = True
+        node = c.tree.add(branch.leaf, 7, self.probs.pop(0))
+        node.origins.append((None, 0))
+        branch.leaf, branch.length = node, branch.length + 1
+        return [node]
+
+
+def _drafted(probs) -> list[float]:
+    control = Controller(PASS, ROW, STEP, measured=_calibrated())
+    c = _Call(None, None, None, 1000, 0.0, 0.3, tree=Tree(Node(1, None, 10, 1.0, 1.0)), control=control)
+    c.pass_end = 1000
+    _Scripted(probs).draft_measured(c, 48)
+    return [n.prob for n in c.tree.path(c.tree.branches[0].leaf)[1:]]
+
+
+def test_a_chain_goes_on_while_the_draft_is_sure_and_stops_at_the_first_token_it_is_not():
+    """The depths' rates alone (0.8 each) would stop every chain at the same depth; by the draft's confidence a
+    chain of sure tokens goes past it, and stops at the first unsure one, which is dropped: its step is spent, but
+    its row in the pass would seldom repay (under 0.1 of the path's chance against a row's cost)."""
+    by_depth, _ = speccontrol.best_depth(_calibrated(), PASS, ROW, STEP)
+    sure = _drafted([0.99] * 60)
+    assert len(sure) > by_depth + 4
+    assert _drafted([0.99] * 6 + [0.2] + [0.99] * 60) == [0.99] * 6  # stopped at the unsure token, dropped
+    assert _drafted([0.99] * 3 + [0.5] + [0.99] * 60)[:4] == [0.99] * 3 + [0.5]  # a middling one is kept

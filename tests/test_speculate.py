@@ -142,6 +142,18 @@ def test_measured_chains_go_deep_where_the_draft_is_always_right(tiny_pair):
     assert control["draft_off_passes"] == 0 and min(control["acceptance_by_depth"][:8]) > 0.9
 
 
+def test_no_node_is_drafted_past_the_tokens_asked_for(tiny_pair):
+    """A draft always right, asked for 6 tokens: the prompt's pass gives the first, so one pass drafting 4 nodes
+    gives the rest; drafting deeper would cost steps and rows for tokens thrown away."""
+    target, draft = tiny_pair[0], tiny_pair[1]["same"]
+    settings = engine.Settings(n_ctx=256, n_batch=64, temp=0.0, strategy="mmap")
+    ref = _alone(target, settings, "hello world", 6)
+    got = speculate.run(target, settings, draft, Options(tree=False, always=True), "hello world", 6)
+    assert got.tokens == ref.tokens
+    passes = got.timings["passes"]
+    assert len(passes) == 1 and passes[0][2] <= 4 and passes[0][1] == 5, passes
+
+
 def test_measured_control_turns_a_losing_draft_off_and_probes_it(tiny_pair):
     """A draft that mostly disagrees with the target (its first two layers): the run measures its acceptance and
     turns it off for most passes, probing it again every few; the output is the target's own."""
@@ -197,8 +209,8 @@ def test_sampled_tree_output_is_distributed_as_the_target(tiny_pair):
         accepted = 0
         for seed in range(n):
             t.settings.seed = seed
-            r = s.generate("hello", 3)
-            spec[tuple(r.tokens)] += 1
+            r = s.generate("hello", 6)  # the first three of six: a pass drafts no deeper than the tokens asked for
+            spec[tuple(r.tokens[:3])] += 1
             accepted += r.timings["n_accepted"]
     assert accepted > n // 4  # the walk does descend into the tree
     with engine.Engine(target, base) as t:

@@ -2,16 +2,19 @@
 drafts at all, pass by pass, from what the run itself has measured.
 
 What it measures: the chance the target accepts the draft's top token at each depth given it accepted the node above
-(`accepted` / `reached` by depth, decayed so a run's later passes weigh more), the same for the draft's other
-candidates (`side`), the seconds of a draft step, and the target's pass as a line in its rows (a one-token pass plus
-a cost a further row, fitted by least squares over the run's passes, anchored by the plan's prediction until passes
-of several sizes are in). From these, a chain of depth d yields E(d) = 1 + sum_k prod_{i<=k} a_i tokens a pass
-(Leviathan et al.) in T(d) = pass(1 + d) + d * draft_step + overhead seconds, and the target alone one token in
-pass(1) + overhead. A node is drafted while its path's chance pays for what it adds (Sequoia's rule, as SpecExec
-trims: P(v) >= dt(v) * R, R the best rate the model finds), so the depth follows the measured acceptance: deep where
-the draft is right, short or none where it is not. Where no depth beats the target alone the draft is off; every
-PROBE passes it drafts once more (at the depth it would choose if on), so a run whose text turns predictable turns
-it back on.
+(`accepted` / `reached` by depth, decayed so a run's later passes weigh more), the same for the draft's other candidates
+(`side`), the same by the probability the draft gave the token (`prob_accepted` / `prob_reached`, by tenths: how far the
+draft's confidence can be trusted, as EAGLE-2 and llama.cpp's p_min trust it), the seconds of a draft step, and the
+target's pass as a line in its rows (a one-token pass plus a cost a further row, fitted by least squares over the run's
+passes, anchored by the plan's prediction until passes of several sizes are in). From these, a chain of depth d yields
+E(d) = 1 + sum_k prod_{i<=k} a_i tokens a pass (Leviathan et al.) in T(d) = pass(1 + d) + d * draft_step + overhead
+seconds, and the target alone one token in pass(1) + overhead. A node is drafted while its path's chance pays for what
+it adds (Sequoia's rule, as SpecExec trims: P(v) >= dt(v) * R, R the best rate the model finds); a drafted node's chance
+is its parent's times the measured acceptance at the draft's probability for it, so a chain goes on while the draft is
+sure of each token and stops at the first it is not (the depths' mean rates alone cut every chain at the same length),
+and a leaf that does not pay for its row is left out of the pass. Where no depth beats the target alone the draft is
+off; every PROBE passes it drafts once more (at the depth it would choose if on), so a run whose text turns predictable
+turns it back on.
 
 Pure Python, no llama.cpp: speculate.py feeds it each pass's measurements and asks it before drafting; the API uses
 `predicted_tok_s` to decide a run's memory before loading, from a stored history (`Measured.to_json`) or the prior.
@@ -28,6 +31,7 @@ SIDE_PRIOR = (0.5, 2.0)  # a side candidate accepted given its parent was, (acce
 PROBE = 8  # passes between probes while the draft is off
 PROBE_DEPTH = 4  # a probe drafts at least this deep
 PROBE_P = 0.3  # and on while its path is this likely
+BINS = 10  # the draft's probability of a token, in tenths, by which acceptance is measured
 MAX_DEPTH = 47  # the deepest a chain goes (the target's logits rows, spectree.MAX_NODES, less the root)
 HISTORY_WEIGHT = 8.0  # a stored history's counts are scaled to at most this many observations a depth
 
@@ -35,7 +39,8 @@ HISTORY_WEIGHT = 8.0  # a stored history's counts are scaled to at most this man
 @dataclass
 class Measured:
     """What a run measured (and a history keeps): decayed acceptance by depth of the draft's top tokens, of its
-    side candidates, the draft step's seconds, and the target pass's fit."""
+    side candidates, of any token by the probability the draft gave it, the draft step's seconds, and the target
+    pass's fit."""
     accepted: list[float] = field(default_factory=list)  # index d-1: depth d
     reached: list[float] = field(default_factory=list)
     side: list[float] = field(default_factory=lambda: list(SIDE_PRIOR))
@@ -47,11 +52,18 @@ class Measured:
     # draft's beside the target), averaged over the runs kept; None: not measured. What the next run's memory
     # decision scales its plan's one-token pass by (predicted_tok_s): robust to the disk's drift, as a ratio is
     gain: float | None = None
+    # any rank's acceptance given its parent's, by the tenth of the probability the draft gave the token
+    prob_accepted: list[float] = field(default_factory=lambda: [0.0] * BINS)
+    prob_reached: list[float] = field(default_factory=lambda: [0.0] * BINS)
+
+    def pooled(self) -> float:
+        """The chance the draft's top token is accepted given its parent was, at any depth."""
+        return (sum(self.accepted) + PRIOR_ACCEPT * PRIOR_WEIGHT) / (sum(self.reached) + PRIOR_WEIGHT)
 
     def rate(self, depth: int) -> float:
         """The chance the draft's top token at depth (1 = the root's child) is accepted given its parent was:
         measured at that depth, pulled toward the pooled rate where it was seldom reached."""
-        pooled = (sum(self.accepted) + PRIOR_ACCEPT * PRIOR_WEIGHT) / (sum(self.reached) + PRIOR_WEIGHT)
+        pooled = self.pooled()
         if depth > len(self.reached):
             return pooled
         return (self.accepted[depth - 1] + pooled * PRIOR_WEIGHT) / (self.reached[depth - 1] + PRIOR_WEIGHT)
@@ -59,10 +71,19 @@ class Measured:
     def side_rate(self) -> float:
         return self.side[0] / self.side[1]
 
+    def prob_rate(self, prob: float) -> float:
+        """The chance the target accepts a drafted token the draft gave probability prob, given it accepted the
+        token's parent: measured in prob's tenth, pulled toward the pooled rate where that tenth was seldom seen (a
+        draft's probabilities are not taken on trust: a random-weight draft that is its target gives every token
+        a few percent, and is always right)."""
+        b = min(int(prob * BINS), BINS - 1)
+        return (self.prob_accepted[b] + self.pooled() * PRIOR_WEIGHT) / (self.prob_reached[b] + PRIOR_WEIGHT)
+
     def to_json(self) -> dict:
         return {"accepted": [round(x, 3) for x in self.accepted], "reached": [round(x, 3) for x in self.reached],
-                "side": [round(x, 3) for x in self.side], "draft_step_s": self.draft_step_s, "row_s": self.row_s,
-                "overhead_s": self.overhead_s, "passes": self.passes, "gain": self.gain}
+                "side": [round(x, 3) for x in self.side], "prob_accepted": [round(x, 3) for x in self.prob_accepted],
+                "prob_reached": [round(x, 3) for x in self.prob_reached], "draft_step_s": self.draft_step_s,
+                "row_s": self.row_s, "overhead_s": self.overhead_s, "passes": self.passes, "gain": self.gain}
 
     @classmethod
     def from_json(cls, d: dict) -> "Measured":
@@ -78,11 +99,18 @@ class Measured:
         step, row, gain = d.get("draft_step_s"), d.get("row_s"), d.get("gain")
         if gain is not None and not 0 < float(gain) < 100:
             raise ValueError("gain out of range")
+        # a history from before the acceptance by probability was kept has none: the prior's
+        p_acc = [float(x) for x in d.get("prob_accepted", [0.0] * BINS)]
+        p_reach = [float(x) for x in d.get("prob_reached", [0.0] * BINS)]
+        if len(p_acc) != BINS or len(p_reach) != BINS or any(not 0 <= a <= n for a, n in zip(p_acc, p_reach)):
+            raise ValueError("acceptance counts by probability out of range")
+        p_scale = min(1.0, HISTORY_WEIGHT / max(max(p_reach), 1e-9))
         return cls([a * scale for a in accepted], [n * scale for n in reached],
                    [side[0] * min(1.0, HISTORY_WEIGHT / side[1]), side[1] * min(1.0, HISTORY_WEIGHT / side[1])],
                    float(step) if step is not None else None, float(row) if row is not None else None,
                    float(d.get("overhead_s", 0.0)), int(d.get("passes", 0)),
-                   float(gain) if gain is not None else None)
+                   float(gain) if gain is not None else None,
+                   [a * p_scale for a in p_acc], [n * p_scale for n in p_reach])
 
 
 def chain_yield(m: Measured, depth: int) -> float:
@@ -194,13 +222,26 @@ class Controller:
             return depth <= PROBE_DEPTH or p_path >= PROBE_P
         return p_path >= (self.step_s + self.line()[1]) * rate
 
+    def keeps(self, p_path: float) -> bool:
+        """Whether a drafted leaf whose path the target accepts with chance p_path pays for its row in the pass (its
+        draft step is spent already): p_path >= row * R. A probe, or a run that has measured nothing, keeps it."""
+        if self.step_s is None or self.fit[0] <= 0:
+            return True
+        best, rate = self.plan()
+        return best == 0 or p_path >= self.line()[1] * rate
+
     # --- what a pass measured -----------------------------------------------------------------------------------
 
-    def observe_node(self, depth: int, rank: int, accepted: bool) -> None:
+    def observe_node(self, depth: int, rank: int, accepted: bool, prob: float | None = None) -> None:
         """A draft node the target verified whose parent it accepted: its depth below the root, its rank among its
-        parent's candidates (0: the draft's top token), and whether the target accepted it."""
+        parent's candidates (0: the draft's top token), whether the target accepted it, and the probability the
+        draft gave it (None: not known)."""
         m = self.m
         self.planned = None
+        if prob is not None:
+            b = min(int(prob * BINS), BINS - 1)
+            m.prob_accepted[b] = m.prob_accepted[b] * DECAY + accepted
+            m.prob_reached[b] = m.prob_reached[b] * DECAY + 1
         if rank > 0:
             m.side[0] = m.side[0] * DECAY + accepted
             m.side[1] = m.side[1] * DECAY + 1
@@ -248,6 +289,8 @@ class Controller:
         m = self.m
         return {"acceptance_by_depth": [round(m.rate(d), 3) for d in range(1, len(m.reached) + 1)],
                 "reached_by_depth": [round(x, 2) for x in m.reached], "side_rate": round(m.side_rate(), 3),
+                "acceptance_by_prob": [round(m.prob_rate((b + 0.5) / BINS), 3) for b in range(BINS)],
+                "reached_by_prob": [round(x, 2) for x in m.prob_reached],
                 "draft_step_s": self.step_s, "pass_s": pass_s, "row_s": row_s, "overhead_s": m.overhead_s,
                 "depth": depth, "predicted_tok_s": rate, "draft_off_passes": self.n_off, "passes": m.passes,
                 "tok_s": self.tokens / self.seconds if self.seconds else 0.0}

@@ -98,7 +98,7 @@ class TreeGrower:
                 self.caches.fork_draft(branch.seq, seq, leaf.pos + 1)
                 grown = Branch(seq, node, branch.length)
                 tree.branches.append(grown)
-            if self.lib.llama_vocab_is_eog(self.draft.vocab, token) or node.pos + 1 >= c.pos_limit:
+            if self.lib.llama_vocab_is_eog(self.draft.vocab, token) or node.pos + 1 >= c.pass_end:
                 grown.done = True
         return added
 
@@ -116,8 +116,9 @@ class TreeGrower:
 
     def draft_measured(self, c: _Call, budget: int) -> int:
         """Draft steps by the run's measurements (control.Controller): each on the branch whose next node the
-        target is likeliest to accept (its path's measured rates), while that chance pays for the node, up to
-        budget nodes. The draft steps taken."""
+        target is likeliest to accept (its path's chance times the measured rate at the next depth), while that
+        chance pays for the node, up to budget nodes; a node's own chance follows the probability the draft gave it
+        (Measured.prob_rate). Then the leaves that do not pay for their rows are dropped. The draft steps taken."""
         tree, control = c.tree, c.control
         m, steps = control.m, 0
         while tree.n_nodes < budget:
@@ -130,16 +131,30 @@ class TreeGrower:
                 if p > best_p:
                     best, best_p, best_depth = b, p, depth
             if best is None or not control.pays(best_p, best_depth):
-                return steps
+                break
             parent = best.leaf
             added = self.grow(c, best, siblings=self.options.tree)
             if added is None:
-                return steps
+                break
             steps += 1
-            side = m.side_rate()
-            for rank, node in enumerate(added):
-                node.est = parent.est * (m.rate(best_depth) if rank == 0 else side)
+            for node in added:
+                node.est = parent.est * m.prob_rate(node.prob)
+        self._drop_unpaid(c)
         return steps
+
+    def _drop_unpaid(self, c: _Call) -> None:
+        """A draft branch's last node, drafted but unlikely, costs a row of the pass it would seldom repay: left out
+        (it was never decoded in the draft's cache). Only a chain's own last node, where no other branch or side
+        candidate hangs on its parent, so no sequence loses a cell."""
+        tree, control = c.tree, c.control
+        for b in tree.branches:
+            leaf = b.leaf
+            if (b.seq >= 0 and leaf is not tree.root and not leaf.decoded and not leaf.children
+                    and leaf.parent.children == [leaf] and not control.keeps(leaf.est)
+                    and sum(1 for o in tree.branches if o.leaf is leaf) == 1):
+                leaf.parent.children.remove(leaf)
+                tree.n_nodes -= 1
+                b.leaf, b.length, b.done = leaf.parent, b.length - 1, True
 
     # --- the free drafters ---------------------------------------------------------------------------------------
 

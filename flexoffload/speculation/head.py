@@ -4,8 +4,9 @@ A head cut to the tokens a corpus uses most lacks a prompt's own words (HumanEva
 cannot propose a token breaks its chain there: on HumanEval/81 the draft cut to 32,768 tokens made 4.6 tokens a pass
 where the whole head made 10.7. Before each prompt, the tokens it holds that the head lacks take the spare rows
 (round robin: the rows pointed longest ago, not at the prompt's tokens), their weights read as stored from the file
-the head was cut from, so the draft's logits for them are the whole head's (patch 0032, llama_head_set_rows). A token the target outputs that
-the head lacks takes one as well (an answer's own words recur), never one the prompt's tokens hold.
+the head was cut from, so the draft's logits for them are the whole head's (patch 0032, llama_head_set_rows). A
+token the target outputs that the head lacks takes one as well (an answer's own words recur), never one the
+prompt's tokens hold.
 """
 
 from __future__ import annotations

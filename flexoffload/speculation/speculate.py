@@ -182,10 +182,15 @@ class Speculator:
                 steps0, draft0, target0 = c.tree.n_nodes, c.stats.draft_s, c.stats.target_s
                 t_step = time.perf_counter()
                 budget = min(self._node_budget(), c.pos_limit - c.tree.root.pos)
+                # a pass yields at most a token past its deepest node: none drafted past the tokens still asked for
+                c.pass_end = c.pos_limit
+                if n_predict >= 0:
+                    c.pass_end = min(c.pos_limit, c.tree.root.pos + n_predict - len(tokens))
+                drafts = d and c.pass_end > c.tree.root.pos + 1
                 n_steps = 0
-                if d and c.control is None:
+                if drafts and c.control is None:
                     self.grower.draft_tree(c, budget)
-                elif d and c.control.draft_on():
+                elif drafts and c.control.draft_on():
                     n_steps = self.grower.draft_measured(c, budget)
                 grown = c.tree.n_nodes - steps0
                 if grown > 0 and c.control is None:

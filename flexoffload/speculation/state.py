@@ -46,6 +46,7 @@ class _Call:
     alpha: float  # the fallback threshold (LLMCad eq. 3)
     threshold: float  # the branch threshold (spectree.next_threshold)
     tree: Tree | None = None
+    pass_end: int = 0  # this pass drafts no node at or past it: pos_limit, or past the last token asked for
     stats: Stats = field(default_factory=Stats)
     backlog: list[int] = field(default_factory=list)  # tokens the draft has yet to decode before the tree's nodes
     free_seqs: list[int] = field(default_factory=list)  # the draft's sequences no branch holds

@@ -111,7 +111,7 @@ class Verifier:
             for n in nodes[1:]:
                 rank = next((k for d, k in n.origins if d is None), None)
                 if rank is not None and id(n.parent) in kept:
-                    c.control.observe_node(n.pos - tree.root.pos, rank, id(n) in kept)
+                    c.control.observe_node(n.pos - tree.root.pos, rank, id(n) in kept, n.prob)
         if self.draft is not None:  # the draft's thresholds adapt to what the target made of the draft's own nodes
             path = tree.path(last)
             k = next((i for i, n in enumerate(path) if i and not _by_model(n)), len(path))
