@@ -171,6 +171,7 @@ def test_the_draft_s_own_confidence_is_trusted_as_far_as_it_was_measured():
     m = _calibrated()
     assert m.prob_rate(0.95) > 0.95 and m.prob_rate(0.25) < 0.1
     assert m.prob_rate(0.55) == pytest.approx(m.pooled())  # a tenth never seen: the pooled rate, not 0.55
+    assert m.prob_rate(0.45, m.side_rate()) == pytest.approx(m.side_rate())  # or the rate of the token's rank
     control = Controller(PASS, ROW, STEP)
     control.observe_node(3, 1, True, 0.42)  # any rank counts, in its tenth
     control.observe_node(3, 0, False, 0.47)

@@ -71,13 +71,14 @@ class Measured:
     def side_rate(self) -> float:
         return self.side[0] / self.side[1]
 
-    def prob_rate(self, prob: float) -> float:
+    def prob_rate(self, prob: float, prior: float | None = None) -> float:
         """The chance the target accepts a drafted token the draft gave probability prob, given it accepted the
-        token's parent: measured in prob's tenth, pulled toward the pooled rate where that tenth was seldom seen (a
-        draft's probabilities are not taken on trust: a random-weight draft that is its target gives every token
-        a few percent, and is always right)."""
+        token's parent: measured in prob's tenth, pulled toward prior (the rate by the token's depth or rank; None:
+        the pooled rate) where that tenth was seldom seen. A draft's probabilities are not taken on trust: a
+        random-weight draft that is its target gives every token a few percent, and is always right."""
         b = min(int(prob * BINS), BINS - 1)
-        return (self.prob_accepted[b] + self.pooled() * PRIOR_WEIGHT) / (self.prob_reached[b] + PRIOR_WEIGHT)
+        prior = self.pooled() if prior is None else prior
+        return (self.prob_accepted[b] + prior * PRIOR_WEIGHT) / (self.prob_reached[b] + PRIOR_WEIGHT)
 
     def to_json(self) -> dict:
         return {"accepted": [round(x, 3) for x in self.accepted], "reached": [round(x, 3) for x in self.reached],

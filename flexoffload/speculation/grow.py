@@ -115,10 +115,11 @@ class TreeGrower:
                 return
 
     def draft_measured(self, c: _Call, budget: int) -> int:
-        """Draft steps by the run's measurements (control.Controller): each on the branch whose next node the
-        target is likeliest to accept (its path's chance times the measured rate at the next depth), while that
-        chance pays for the node, up to budget nodes; a node's own chance follows the probability the draft gave it
-        (Measured.prob_rate). Then the leaves that do not pay for their rows are dropped. The draft steps taken."""
+        """Draft steps by the run's measurements (control.Controller): each on the branch whose next node the target is
+        likeliest to accept (its path's chance times the measured rate at the next depth), while that chance pays for
+        the node, up to budget nodes; a node's own chance follows the probability the draft gave it
+        (Measured.prob_rate), or its depth's rate (a side candidate's: the side rate) where that is unmeasured. Then the
+        leaves that do not pay for their rows are dropped. The draft steps taken."""
         tree, control = c.tree, c.control
         m, steps = control.m, 0
         while tree.n_nodes < budget:
@@ -137,8 +138,9 @@ class TreeGrower:
             if added is None:
                 break
             steps += 1
-            for node in added:
-                node.est = parent.est * m.prob_rate(node.prob)
+            rates = (m.rate(best_depth), m.side_rate())  # where its probability's tenth is unmeasured
+            for rank, node in enumerate(added):
+                node.est = parent.est * m.prob_rate(node.prob, rates[rank > 0])
         self._drop_unpaid(c)
         return steps
 
