@@ -41,7 +41,7 @@ def test_a_cut_head_keeps_its_rows_names_their_tokens_and_copies_the_rest(tmp_pa
         if name != "output.weight":
             assert np.array_equal(np.asarray(after[name].data), np.asarray(t.data)), name
     model = load(cut)
-    assert model.n_vocab == shape.n_vocab and not model.tied_embeddings and headcut.rows(cut) == 5
+    assert model.n_vocab == shape.n_vocab and not model.tied_embeddings and headcut.rows(model) == 5
     assert headcut.source(cut) == (full.resolve(), 2) and headcut.source(full) is None
     with pytest.raises(FlexoffloadError, match="already cut"):
         headcut.write(cut, tmp_path / "again.gguf", kept)
@@ -152,7 +152,7 @@ def test_run_md_with_the_draft_s_head_cut_is_made_once_cached_and_lossless(priva
     assert "head cut to 32768 tokens (once, cached)" in made.stderr, made.stderr
     out = json.loads(made.stdout)
     copy = Path(out["draft"]["path"])
-    assert copy.parent == private_cache / "heads" and headcut.rows(copy) == 32768
+    assert copy.parent == private_cache / "heads" and headcut.rows(load(copy)) == 32768
     assert out["tokens"] == alone["tokens"] and "head_pointed" in out["timings"]
     again = cli("run", *common, "--draft-head", "cut", check=True)
     assert "once, cached" not in again.stderr and json.loads(again.stdout)["draft"]["path"] == str(copy)

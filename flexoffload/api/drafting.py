@@ -12,7 +12,7 @@ from pathlib import Path
 
 from flexoffload import FlexoffloadError
 from flexoffload.defaults import cache_dir, file_key
-from flexoffload.gguf import catalog
+from flexoffload.gguf import catalog, headcut
 from flexoffload.gguf.model import load
 from flexoffload.measure import headrows, probe, profiler, requantize
 from flexoffload.rules import spec_types
@@ -161,7 +161,7 @@ def _candidates(draft_model, r, table: int) -> list[_Candidate]:
     smaller = smaller_types(draft_model) if r.draft_quant != "own" else {}
     quants = ([{}] if r.draft_quant != "q4_0" else []) + ([smaller] if smaller else [])
     heads = {"auto": (False, True), "full": (False,), "cut": (True,)}[r.draft_head]
-    if draft_model.n_vocab <= headrows.ROWS or headrows.is_cut(draft_model):
+    if draft_model.n_vocab <= headrows.ROWS or headcut.rows(draft_model) is not None:
         heads = (False,)
     out = []
     for types in quants:

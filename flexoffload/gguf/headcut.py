@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from flexoffload import FlexoffloadError
-from flexoffload.gguf.model import load, metadata
+from flexoffload.gguf.model import metadata
 
 HEAD = "output.weight"
 IDS = "output_ids.weight"
@@ -42,9 +42,9 @@ def head_tensor(model):
         next((t for t in model.tensors if t.name == EMBEDDINGS), None)
 
 
-def rows(path: str | os.PathLike) -> int | None:
-    """The rows of the file's cut head, or None where its head is whole."""
-    ids = next((t for t in load(path).tensors if t.name == IDS), None)
+def rows(model) -> int | None:
+    """The rows of a loaded model's cut head, or None where its head is whole."""
+    ids = next((t for t in model.tensors if t.name == IDS), None)
     return int(ids.shape[0]) if ids is not None else None
 
 

@@ -11,6 +11,7 @@ that is not a normal piece (the end-of-generation and chat markers) is kept what
 
 from __future__ import annotations
 
+import sys
 import sysconfig
 from pathlib import Path
 
@@ -64,14 +65,11 @@ def frequent(model: Model, rows: int = ROWS) -> np.ndarray:
     return np.lexsort((np.arange(n.size), -n))[:rows]  # the last key sorts first: count descending, then id
 
 
-def is_cut(model: Model) -> bool:
-    """Whether the model's head is already cut (fewer output rows than its vocabulary)."""
-    return any(t.kind == "output" and t.shape[-1] < model.n_vocab for t in model.tensors)
-
-
 def path(model: Model, rows: int = ROWS) -> Path:
-    """Where the model's copy with its head cut to rows tokens lives in the cache."""
-    return cache_dir() / "heads" / f"{file_key(model.path)}-head{rows}-spare{min(SPARE, rows // 4)}.gguf"
+    """Where the model's copy with its head cut to rows tokens lives in the cache: by the Python whose standard
+    library was counted too, since another Python's keeps other tokens."""
+    python = "py{}{}".format(*sys.version_info[:2])
+    return cache_dir() / "heads" / f"{file_key(model.path)}-head{rows}-spare{min(SPARE, rows // 4)}-{python}.gguf"
 
 
 def cut(model: Model, rows: int = ROWS) -> Path:
