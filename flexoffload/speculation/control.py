@@ -36,6 +36,11 @@ MAX_DEPTH = 47  # the deepest a chain goes (the target's logits rows, spectree.M
 HISTORY_WEIGHT = 8.0  # a stored history's counts are scaled to at most this many observations a depth
 
 
+def _tenth(prob: float) -> int:
+    """The bin of a draft's probability for a token (BINS of them)."""
+    return min(int(prob * BINS), BINS - 1)
+
+
 @dataclass
 class Measured:
     """What a run measured (and a history keeps): decayed acceptance by depth of the draft's top tokens, of its
@@ -76,7 +81,7 @@ class Measured:
         token's parent: measured in prob's tenth, pulled toward prior (the rate by the token's depth or rank; None:
         the pooled rate) where that tenth was seldom seen. A draft's probabilities are not taken on trust: a
         random-weight draft that is its target gives every token a few percent, and is always right."""
-        b = min(int(prob * BINS), BINS - 1)
+        b = _tenth(prob)
         prior = self.pooled() if prior is None else prior
         return (self.prob_accepted[b] + prior * PRIOR_WEIGHT) / (self.prob_reached[b] + PRIOR_WEIGHT)
 
@@ -187,10 +192,14 @@ class Controller:
         slope = max((sxy - sx * sy / w) / var, 0.0) if var > 1e-9 else 0.0
         return max((sy - slope * sx) / w, 1e-4), slope
 
+    def _unmeasured(self) -> bool:
+        """No draft step, or no target pass, measured or predicted yet: nothing to weigh a node against."""
+        return self.step_s is None or self.fit[0] <= 0
+
     def plan(self) -> tuple[int, float]:
         """The best chain depth (0: the target alone) and the rate it gives by what is measured so far; worked out
         once a pass (the draft asks for every node), again after the pass's measurements."""
-        if self.step_s is None or self.fit[0] <= 0:  # no step or no pass measured or predicted yet: draft, measure
+        if self._unmeasured():  # draft, and measure
             return self.max_depth, 0.0
         if self.planned is None:
             pass_s, row_s = self.line()
@@ -216,7 +225,7 @@ class Controller:
         """Whether a draft node at depth whose path the target accepts with chance p_path (the product of the
         measured rates down to it) pays for a draft step and a row: p_path >= (step + row) * R, R the best rate
         found. A probe (no depth pays) drafts PROBE_DEPTH nodes, and on while the path stays likely (PROBE_P)."""
-        if self.step_s is None or self.fit[0] <= 0:
+        if self._unmeasured():
             return depth <= PROBE_DEPTH or p_path >= PROBE_P  # the first pass: a chain, to measure it
         best, rate = self.plan()
         if best == 0:
@@ -226,7 +235,7 @@ class Controller:
     def keeps(self, p_path: float) -> bool:
         """Whether a drafted leaf whose path the target accepts with chance p_path pays for its row in the pass (its
         draft step is spent already): p_path >= row * R. A probe, or a run that has measured nothing, keeps it."""
-        if self.step_s is None or self.fit[0] <= 0:
+        if self._unmeasured():
             return True
         best, rate = self.plan()
         return best == 0 or p_path >= self.line()[1] * rate
@@ -240,7 +249,7 @@ class Controller:
         m = self.m
         self.planned = None
         if prob is not None:
-            b = min(int(prob * BINS), BINS - 1)
+            b = _tenth(prob)
             m.prob_accepted[b] = m.prob_accepted[b] * DECAY + accepted
             m.prob_reached[b] = m.prob_reached[b] * DECAY + 1
         if rank > 0:
